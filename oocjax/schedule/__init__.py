@@ -1,0 +1,34 @@
+"""The planner: a pure-Python model of a training step and the schedules that fit it in a budget.
+
+Nothing here imports jax or numpy, so plans are cheap to compute and to test.
+"""
+
+from oocjax.schedule.baselines import fixed_lookahead, keep_all, swap_all_just_in_time
+from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
+from oocjax.schedule.program import Buffer, Program, Step, Uses
+from oocjax.schedule.simulate import MemoryTimeline, Violation, simulate, validate
+from oocjax.schedule.units import format_bytes, parse_bytes
+from oocjax.schedule.window import check_feasible, plan_window, required_bytes
+
+__all__ = [
+    "Buffer",
+    "MemoryTimeline",
+    "Move",
+    "Offload",
+    "Prefetch",
+    "Program",
+    "Schedule",
+    "Step",
+    "Uses",
+    "Violation",
+    "check_feasible",
+    "fixed_lookahead",
+    "format_bytes",
+    "keep_all",
+    "parse_bytes",
+    "plan_window",
+    "required_bytes",
+    "simulate",
+    "swap_all_just_in_time",
+    "validate",
+]

@@ -1,0 +1,49 @@
+"""Byte quantities: parsing what users type and rendering for people."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """Parses ``"512MiB"``, ``"1.5 GB"``, ``"12GiB"`` or ``"4096"`` into a number of bytes.
+
+    >>> parse_bytes("1.5KiB")
+    1536
+    """
+    match = _QUANTITY.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or (unit not in _UNITS and unit != ""):
+        accepted = ", ".join(sorted(_UNITS, key=_UNITS.get))
+        raise ValueError(
+            f"cannot read {text!r} as a number of bytes: write a number with one of the units "
+            f"{accepted} (case does not matter), e.g. '12GiB' or '1.5GB'"
+        )
+    return int(float(match.group(1)) * _UNITS.get(unit, 1))
+
+
+def format_bytes(nbytes: int) -> str:
+    """Renders a byte count with binary units, three significant digits.
+
+    >>> format_bytes(3 * 2**30 // 2)
+    '1.5 GiB'
+    """
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+        value /= 1024
+    return f"{value:.3g} TiB"

@@ -1,0 +1,424 @@
+"""Adaptive window-based swap scheduling (Hayakawa & Narihira 2020, arXiv 2010.14109).
+
+This is the algorithm of nnabla's ``SwapInOutScheduler``, planned statically over a whole step.
+The program is flattened into an *access list*: for each step, its reads, then its writes; each
+output gets one more access after the last step (being returned). Two pointers walk that list:
+
+* ``head`` runs ahead of the current step and admits accesses into the *window* while the distinct
+  buffers in it fit ``window_bytes`` (default 1.5x the budget). The first admission of a buffer
+  prefetches it (if it lives on host), cancels its pending offload (if the copy is still on the
+  device, it comes back for free), or notes that the step ahead will create it.
+* pending offloads are waited for oldest first, and only when memory is needed.
+
+For each step: advance ``head``; reserve the step's outputs and scratch, waiting for offloads if
+memory is short; if nothing is left to wait for, *backtrack*: forbid the furthest prefetches before
+the next step and plan again from the start. After the step, each buffer whose next access is not
+in the window is freed (no further use), dropped (it has a valid host copy), kept (too small to
+move, or a constant), or offloaded.
+
+Because the window is in bytes, the prefetch distance adapts along the program: many steps ahead
+where tensors are small, few where they are large. There is no timing model.
+
+Beyond nnabla: buffers under ``min_offload_bytes`` never move; an infeasible budget is detected
+before planning and reported with the smallest feasible budget; inputs whose plan is "fetch at the
+start and keep" stay on the device instead, and outputs follow the memory of the input they alias.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import deque
+from itertools import accumulate
+
+from oocjax.errors import BudgetInfeasibleError
+from oocjax.schedule.baselines import keep_all
+from oocjax.schedule.moves import Offload, Prefetch, Schedule, move_order
+from oocjax.schedule.program import Program, held_for_whole_step
+from oocjax.schedule.simulate import simulate
+from oocjax.schedule.units import format_bytes
+
+MiB = 2**20
+DEFAULT_WINDOW_FACTOR = 1.5  # nnabla's default; its authors found it on ResNet-50
+
+# Buffer states during planning.
+_CLEARED = 0  # not on the device and not needed there now
+_IN = 1  # on the device
+_OUT = 2  # on the device with an offload in flight
+_HOST = 3  # only on host
+_UNPREFETCHED = 4  # to be created by a step inside the window; memory is reserved when it runs
+
+
+def plan_window(
+    program: Program,
+    budget_bytes: int,
+    *,
+    window_bytes: int | None = None,
+    min_offload_bytes: int = MiB,
+) -> Schedule:
+    """Plans offloads and prefetches so that device memory stays within ``budget_bytes``.
+
+    Args:
+      program: the step program.
+      budget_bytes: device bytes the step may use at any time.
+      window_bytes: bytes of distinct buffers the look-ahead may cover; default 1.5x the budget.
+      min_offload_bytes: buffers smaller than this never move.
+
+    Returns:
+      A schedule that keeps everything on the device when that fits, else the window plan.
+
+    Raises:
+      BudgetInfeasibleError: when some step alone needs more than the budget.
+      ValueError: for a non-positive budget or a window too small for some step.
+
+    >>> p = Program.from_ops([("f", ["x"], ["y"]), ("g", ["y"], ["z"])], {"x": 8, "y": 8, "z": 8},
+    ...                      inputs=["x"], outputs=["z"])
+    >>> plan_window(p, budget_bytes=64).moves_nothing
+    True
+    """
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+    window = int(budget_bytes * DEFAULT_WINDOW_FACTOR) if window_bytes is None else window_bytes
+    # Planning allocates many small objects and no reference cycles; CPython's cyclic collector
+    # would rescan them again and again as they accumulate, for nothing.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        if simulate(program, keep_all(program)).peak_bytes <= budget_bytes:
+            return keep_all(program, budget_bytes=budget_bytes, strategy="window")
+        check_feasible(program, budget_bytes, min_offload_bytes)
+        _check_window(program, window)
+        return _settle_homes(program, _WindowPlanner(program, budget_bytes, window, min_offload_bytes).plan())
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def required_bytes(program: Program, min_offload_bytes: int = MiB) -> list[int]:
+    """Per step, the device bytes no schedule can go below: the step's own operands, results and
+    scratch, plus every value too small to move that is alive across it."""
+    n = len(program.steps)
+    uses = program.uses
+    movable_bytes = [0 if _never_moves(b, min_offload_bytes) else b.nbytes for b in program.buffers]
+    pinned_diff = [0] * (n + 1)
+    for b, buffer in enumerate(program.buffers):
+        if n and not movable_bytes[b]:
+            start, end = _pinned_span(buffer, uses.defined_at[b], uses.read_at[b], n)
+            pinned_diff[start] += buffer.nbytes
+            pinned_diff[end + 1] -= buffer.nbytes
+    need, pinned = [], 0
+    for k, step in enumerate(program.steps):
+        pinned += pinned_diff[k]
+        movable = step.transient_bytes
+        for b in step.reads:
+            movable += movable_bytes[b]
+        for b in step.writes:
+            movable += movable_bytes[b]
+        need.append(pinned + movable)
+    return need
+
+
+def check_feasible(program: Program, budget_bytes: int, min_offload_bytes: int = MiB) -> None:
+    """Raises ``BudgetInfeasibleError`` if some step alone needs more than ``budget_bytes``."""
+    need = required_bytes(program, min_offload_bytes)
+    if not need or max(need) <= budget_bytes:
+        return
+    worst = max(range(len(need)), key=need.__getitem__)
+    step = program.steps[worst]
+    own = sum(program.buffers[b].nbytes for b in (*step.reads, *step.writes)) + step.transient_bytes
+    smallest = format_bytes(need[worst])
+    fixes = [
+        f"raise the budget to at least {smallest} ({need[worst]} bytes);",
+        "make that operation smaller: a smaller batch, or split it (chunk the sequence, the vocabulary "
+        "or the layer's width) so that no single operation needs so much at once;",
+    ]
+    if need[worst] > own:
+        fixes.append(
+            f"lower min_offload_bytes (now {format_bytes(min_offload_bytes)}): "
+            f"{format_bytes(need[worst] - own)} of that is values too small to move, held on the device"
+        )
+    numbered = "\n".join(f"  {i}. {fix}" for i, fix in enumerate(fixes, 1))
+    raise BudgetInfeasibleError(
+        f"a budget of {format_bytes(budget_bytes)} is too small: step {worst} ({step.describe()}) alone "
+        f"needs {smallest} on the device (its operands, results and scratch: {format_bytes(own)}).\n"
+        f"The smallest feasible budget is {smallest}.\nFixes:\n{numbered}",
+        budget_bytes=budget_bytes,
+        required_bytes=need[worst],
+        step=worst,
+        where=step.describe(),
+    )
+
+
+def _check_window(program: Program, window_bytes: int) -> None:
+    nbytes = [b.nbytes for b in program.buffers]
+    touched = [sum(nbytes[b] for b in step.reads) + sum(nbytes[b] for b in step.writes) for step in program.steps]
+    widest = max(range(len(touched)), key=touched.__getitem__, default=None)
+    if widest is not None and touched[widest] > window_bytes:
+        raise ValueError(
+            f"window_bytes={window_bytes} cannot hold step {widest} ({program.steps[widest].describe()}), which "
+            f"touches {format_bytes(touched[widest])}: use a window of at least {touched[widest]} bytes, or leave "
+            "it unset (1.5x the budget)"
+        )
+
+
+def _never_moves(buffer, min_offload_bytes: int) -> bool:
+    return buffer.kind == "constant" or buffer.nbytes < min_offload_bytes
+
+
+def _pinned_span(buffer, defined_at: int | None, reads: tuple[int, ...], n: int) -> tuple[int, int]:
+    """Steps during which a buffer that never moves is on the device."""
+    start = 0 if defined_at is None else defined_at
+    if buffer.is_output or held_for_whole_step(buffer, reads):
+        return start, n - 1
+    return start, max(start, *reads) if reads else start
+
+
+class _WindowPlanner:
+    """One planning problem. ``plan`` restarts ``_attempt`` after each backtrack."""
+
+    def __init__(self, program: Program, budget: int, window: int, min_offload_bytes: int):
+        self.program, self.budget, self.window = program, budget, window
+        buffers = program.buffers
+        self.nbytes = [b.nbytes for b in buffers]
+        self.pinned = [_never_moves(b, min_offload_bytes) for b in buffers]
+        # Inputs kept on the device (those too small to move) and constants hold their memory to the
+        # end; the device copy of an input that lives on host is a prefetched one, freed like any other.
+        self.held_to_end = [
+            pinned and held_for_whole_step(buffer, reads)
+            for pinned, buffer, reads in zip(self.pinned, buffers, program.uses.read_at)
+        ]
+        n = len(program.steps)
+        access_buffer = [b for step in program.steps for b in (*step.reads, *step.writes)]
+        access_step = [k for k, step in enumerate(program.steps) for _ in range(len(step.reads) + len(step.writes))]
+        step_end = list(accumulate(len(step.reads) + len(step.writes) for step in program.steps))
+        returned = [b for b, buffer in enumerate(buffers) if buffer.is_output]
+        access_buffer += returned  # returning an output is one more access, after the last step
+        access_step += [n] * len(returned)
+        self.access_buffer, self.access_step, self.step_end = access_buffer, access_step, step_end
+        self.step_writes = [(step.writes, step.transient_bytes) for step in program.steps]
+        next_access = [-1] * len(access_buffer)
+        last_seen = [-1] * len(buffers)
+        for i in range(len(access_buffer) - 1, -1, -1):
+            b = access_buffer[i]
+            next_access[i] = last_seen[b]
+            last_seen[b] = i
+        self.next_access = next_access
+        self.stopper = [0] * len(access_buffer)  # access i may not enter the window before step stopper[i]
+        self.backtracks = 0
+
+    def plan(self) -> Schedule:
+        while True:
+            schedule = self._attempt()
+            if schedule is not None:
+                return schedule
+            self.backtracks += 1
+
+    def _attempt(self) -> Schedule | None:
+        program, budget, window_limit = self.program, self.budget, self.window
+        nbytes, pinned, held_to_end = self.nbytes, self.pinned, self.held_to_end
+        access_buffer, access_step, next_access, stopper = (
+            self.access_buffer,
+            self.access_step,
+            self.next_access,
+            self.stopper,
+        )
+        buffers = program.buffers
+        total = len(access_buffer)
+
+        state = [_CLEARED] * len(buffers)
+        host_copy = [False] * len(buffers)
+        host_inputs = set()
+        device = 0
+        for b, buffer in enumerate(buffers):
+            if buffer.kind == "computed":
+                continue
+            if pinned[b]:
+                state[b] = _IN
+                device += nbytes[b]
+            else:
+                state[b], host_copy[b] = _HOST, True
+                host_inputs.add(b)
+        count = [0] * len(buffers)
+        in_window = 0
+        pending: deque[tuple[int, int]] = deque()  # (buffer, ticket) in issue order
+        open_offload: dict[int, int] = {}  # buffer -> ticket of its offload in flight
+        done_before: dict[int, int] = {}  # ticket -> the step its offload was waited for at
+        # Moves in the order they start, as (is_offload, buffer, step, use step or ticket).
+        events: list[tuple[bool, int, int, int]] = []
+        head = 0
+        n = len(program.steps)
+        step_end = self.step_end
+
+        outgoing = 0  # bytes of device copies whose offload is in flight
+
+        def wait_oldest(k: int) -> None:
+            nonlocal device, outgoing
+            while True:
+                b, ticket = pending.popleft()
+                if open_offload.get(b) == ticket:  # else it was cancelled
+                    break
+            done_before[open_offload.pop(b)] = k
+            state[b], host_copy[b] = _HOST, True
+            device -= nbytes[b]
+            outgoing -= nbytes[b]
+
+        for k, (writes, transient) in enumerate(self.step_writes):
+            # 1. Advance the head: prefetch as far ahead as the window and the budget allow.
+            while head < total and stopper[head] <= k:
+                b = access_buffer[head]
+                if count[b] == 0:
+                    size = nbytes[b]
+                    if in_window + size > window_limit:
+                        break
+                    st = state[b]
+                    if st == _HOST and access_step[head] < n:  # (an output on host is returned as is)
+                        if device - outgoing + size > budget:
+                            break  # even waiting for every offload would not make room
+                        while device + size > budget:
+                            wait_oldest(k)
+                        events.append((False, b, k, access_step[head]))
+                        state[b] = _IN
+                        device += size
+                    elif st == _OUT:  # its device copy is still there: cancel the offload
+                        del open_offload[b]
+                        state[b] = _IN
+                        outgoing -= size
+                    elif st == _CLEARED:
+                        state[b] = _UNPREFETCHED
+                    in_window += size
+                count[b] += 1
+                head += 1
+
+            if head < step_end[k]:  # check_feasible and _check_window rule this out
+                raise AssertionError(f"window planner could not admit every access of step {k}")
+
+            # 2. Reserve this step's outputs and scratch.
+            reserve = transient
+            for b in writes:
+                if state[b] == _UNPREFETCHED:
+                    reserve += nbytes[b]
+                    state[b] = _IN
+            if device - outgoing + reserve > budget:
+                self._backtrack(k, head, count, state, budget - (device - outgoing), reserve)
+                return None
+            while device + reserve > budget:
+                wait_oldest(k)
+            device += reserve - transient
+
+            # 3. After the step: release what the window no longer covers.
+            for i in range(step_end[k - 1] if k else 0, step_end[k]):
+                b = access_buffer[i]
+                count[b] -= 1
+                if count[b]:
+                    continue
+                in_window -= nbytes[b]
+                if next_access[i] < 0:  # no further use
+                    if not held_to_end[b]:
+                        device -= nbytes[b]
+                        state[b] = _CLEARED
+                elif pinned[b]:
+                    pass
+                elif host_copy[b]:  # drop the device copy: the host one is still valid
+                    device -= nbytes[b]
+                    state[b] = _HOST
+                else:
+                    pending.append((b, i))  # the access index serves as the offload's ticket
+                    open_offload[b] = i
+                    events.append((True, b, k, i))
+                    state[b] = _OUT
+                    outgoing += nbytes[b]
+
+        # Offloads still in flight at the end belong to outputs whose copy never had to be waited
+        # for: the device copy was held anyway, so keep the output on the device and skip the copy.
+        host_outputs = {b for b, buffer in enumerate(buffers) if buffer.is_output and state[b] == _HOST}
+        # An offload never waited for was cancelled, or still in flight at the end (see above).
+        moves = tuple(
+            (Offload(buffer=b, after_step=k, done_before_step=done_before[extra]) if extra in done_before else None)
+            if is_offload
+            else Prefetch(buffer=b, issue_step=k, use_step=extra)
+            for is_offload, b, k, extra in events
+        )
+        return Schedule(
+            strategy="window",
+            budget_bytes=budget,
+            host_inputs=frozenset(host_inputs),
+            host_outputs=frozenset(host_outputs),
+            moves=tuple(m for m in moves if m is not None),
+        )
+
+    def _backtrack(self, k: int, head: int, count: list[int], state: list[int], available: int, needed: int) -> None:
+        """Forbids the furthest prefetches before step k+1, until enough memory would be free."""
+        access_buffer, stopper, nbytes, pinned = self.access_buffer, self.stopper, self.nbytes, self.pinned
+        seen_later: dict[int, int] = {}
+        first_future_access = self.step_end[k]
+        for j in range(head - 1, first_future_access - 1, -1):
+            b = access_buffer[j]
+            if count[b] - seen_later.get(b, 0) == 1:  # j is b's first access in the window
+                if state[b] == _IN and not pinned[b]:
+                    available += nbytes[b]
+                stopper[j] = k + 1
+                if available >= needed:
+                    return
+            seen_later[b] = seen_later.get(b, 0) + 1
+        step = self.program.steps[k]
+        raise AssertionError(  # check_feasible rules this out; reaching here is a planner bug
+            f"window planner found no room for step {k} ({step.describe()}) after cancelling every prefetch"
+        )
+
+
+def _settle_homes(program: Program, schedule: Schedule) -> Schedule:
+    """Decides where inputs and outputs live between steps, given the window plan.
+
+    * An input fetched once at step 0 and never dropped and fetched again is kept on the device
+      instead: same memory, no copy. (A kept input that is not donated occupies the device to the
+      end, so it is kept only where the budget still holds.)
+    * An output that replaces a donated input lives where that input lives, so the next call finds
+      its state where the plan expects it. If the input stays on host while the output would be
+      returned on the device, the output is copied out; the device copy was held to the end anyway.
+    """
+    uses = program.uses
+    n = len(program.steps)
+    prefetches: dict[int, list[Prefetch]] = {}
+    for m in schedule.moves:
+        if isinstance(m, Prefetch):
+            prefetches.setdefault(m.buffer, []).append(m)
+    device: list[int] | None = None  # the planned timeline, simulated only if a kept input needs it
+    host_inputs, host_outputs = set(schedule.host_inputs), set(schedule.host_outputs)
+    aliased_output = {buf.aliased_input: b for b, buf in enumerate(program.buffers) if buf.aliased_input is not None}
+    kept_on_device: set[int] = set()
+
+    for b in sorted(schedule.host_inputs):
+        fetched = prefetches.get(b, [])
+        if len(fetched) != 1 or fetched[0].issue_step != 0:
+            continue
+        buffer = program.buffers[b]
+        if b in host_outputs or aliased_output.get(b) in host_outputs:
+            continue  # its output stays on host: keep the input there too
+        if not buffer.donated:
+            if device is None:
+                device = list(simulate(program, schedule).device_bytes)
+            last_read = uses.read_at[b][-1]
+            if any(d + buffer.nbytes > schedule.budget_bytes for d in device[last_read + 1 :]):
+                continue
+            for step in range(last_read + 1, n):
+                device[step] += buffer.nbytes
+        host_inputs.discard(b)
+        kept_on_device.add(b)
+
+    extra_offloads = []
+    for b, buffer in enumerate(program.buffers):
+        source = buffer.aliased_input
+        if source in host_inputs and b not in host_outputs and buffer.kind == "computed":
+            last = max((uses.defined_at[b], *uses.read_at[b]))
+            extra_offloads.append(Offload(buffer=b, after_step=last, done_before_step=None))
+            host_outputs.add(b)
+
+    moves = [m for m in schedule.moves if m.buffer not in kept_on_device] if kept_on_device else schedule.moves
+    if extra_offloads:
+        moves = sorted([*moves, *extra_offloads], key=move_order)  # two sorted runs: a linear merge
+    return Schedule(
+        strategy=schedule.strategy,
+        budget_bytes=schedule.budget_bytes,
+        host_inputs=frozenset(host_inputs),
+        host_outputs=frozenset(host_outputs),
+        moves=tuple(moves),
+    )

@@ -1,0 +1,188 @@
+"""The window planner on programs small enough to plan by hand.
+
+The expected schedules below were worked out by stepping through the algorithm on paper
+(ALGORITHM.md section 1); the comments give the reasoning that fixes each move.
+"""
+
+import pytest
+
+from oocjax.errors import BudgetInfeasibleError
+from oocjax.schedule import Prefetch, Program, plan_window, required_bytes, simulate, validate
+from oocjax.schedule.synthetic import layered_training_step
+from oocjax.schedule.window import _WindowPlanner
+from tests.programs import MiB, mlp_chain
+
+
+def ids(program: Program) -> dict[str, int]:
+    return {buffer.label: b for b, buffer in enumerate(program.buffers)}
+
+
+def named_moves(program: Program, schedule) -> list[tuple]:
+    label = {b: buffer.label for b, buffer in enumerate(program.buffers)}
+    return [
+        ("prefetch", label[m.buffer], m.issue_step, m.use_step)
+        if isinstance(m, Prefetch)
+        else ("offload", label[m.buffer], m.after_step, m.done_before_step)
+        for m in schedule.moves
+    ]
+
+
+def test_a_budget_at_the_in_core_peak_moves_nothing():
+    program = mlp_chain()
+    in_core = simulate(program, plan_window(program, 10**12)).peak_bytes
+    assert in_core == 21 * MiB  # step b3: x, w1, w2, w3, a1, a2, a3, g3, dw3 all held
+    schedule = plan_window(program, in_core)
+    assert schedule.moves_nothing and schedule.budget_bytes == in_core
+
+
+def test_the_mlp_chain_at_16_MiB_follows_the_hand_worked_schedule():
+    # Attempt 1 prefetches the four inputs at step 0 and lets the window run into b2; reserving b3's
+    # outputs then finds nothing to wait for, so it backtracks: a1 and w2 may not enter before step 4.
+    # Attempt 2 offloads a1 after f2 (its next use, b2, is outside the window), waits for it when b3
+    # needs room, and offloads dw3 (its return lies outside the window). At step 4 the window reaches
+    # the returns and cancels dw3's offload; b2's outputs then do not fit: backtrack again.
+    # Attempt 3 keeps dw3's offload, waits for it before b2, and returns dw3 on host.
+    program = mlp_chain()
+    schedule = plan_window(program, 16 * MiB)
+    assert named_moves(program, schedule) == [
+        ("prefetch", "x", 0, 0),
+        ("prefetch", "w1", 0, 0),
+        ("prefetch", "w2", 0, 1),
+        ("prefetch", "w3", 0, 2),
+        ("offload", "a1", 1, 3),
+        ("offload", "dw3", 3, 4),
+        ("prefetch", "a1", 4, 4),
+        ("prefetch", "w2", 4, 4),
+        ("prefetch", "x", 4, 5),
+        ("prefetch", "w1", 4, 5),
+    ]
+    assert {program.buffers[b].label for b in schedule.host_outputs} == {"dw3"}
+    # w3 is fetched once at step 0, but it is not donated: kept on the device it would hold its
+    # megabyte to the end, and step 4 is exactly at the budget. So it stays on host.
+    assert {program.buffers[b].label for b in schedule.host_inputs} == {"x", "w1", "w2", "w3"}
+    timeline = simulate(program, schedule)
+    assert [b // MiB for b in timeline.device_bytes] == [8, 10, 13, 14, 16, 12]
+    assert validate(program, schedule) == ()
+
+
+def test_the_16_MiB_plan_takes_two_backtracks():
+    planner = _WindowPlanner(mlp_chain(), 16 * MiB, 24 * MiB, MiB)
+    planner.plan()
+    assert planner.backtracks == 2
+
+
+def test_host_parameters_are_dropped_and_fetched_again_without_a_copy_out():
+    program = mlp_chain()
+    schedule = plan_window(program, 16 * MiB)
+    name = ids(program)
+    for param in ("x", "w1", "w2"):
+        assert [m.issue_step for m in schedule.prefetches if m.buffer == name[param]] == [0, 4]
+    offloaded = {program.buffers[m.buffer].label for m in schedule.offloads}
+    assert offloaded == {"a1", "dw3"}  # no parameter is ever copied out
+
+
+def test_dead_values_are_freed_without_a_copy():
+    program = mlp_chain()
+    schedule = plan_window(program, 14 * MiB)
+    moved = {program.buffers[m.buffer].label for m in schedule.moves}
+    # a2, a3 and g3 die at b3 and b2: freed there, never copied, although memory is at its tightest.
+    assert not moved & {"a2", "a3", "g3", "g2", "g1"}
+    assert simulate(program, schedule).peak_bytes == 14 * MiB
+
+
+def gap_program() -> Program:
+    """``a`` is made at s0 and read again only at s4; everything else is a short-lived chain."""
+    sizes = {"x": MiB, "a": 4 * MiB, "b": 4 * MiB, "c": 4 * MiB, "e": 4 * MiB, "d": MiB}
+    ops = [
+        ("s0", ["x"], ["a"]),
+        ("s1", ["a"], ["b"]),
+        ("s2", ["b"], ["c"]),
+        ("s3", ["c"], ["e"]),
+        ("s4", ["a", "e"], ["d"]),
+    ]
+    return Program.from_ops(ops, sizes, inputs=["x"], outputs=["d"])
+
+
+def test_a_swap_out_still_in_flight_when_the_value_is_needed_again_is_cancelled():
+    # With a 12 MiB window, a's next use (s4) is outside the window after s1, so its swap-out is
+    # issued there. At 12.5 MiB nothing has to wait for it before the window reaches s4 at step 3:
+    # the swap-out is cancelled and a stays on the device, with no copy either way.
+    program = gap_program()
+    schedule = plan_window(program, int(12.5 * MiB), window_bytes=12 * MiB)
+    assert named_moves(program, schedule) == [("prefetch", "x", 0, 0)]
+    assert validate(program, schedule) == ()
+
+
+def test_the_same_swap_out_is_kept_when_memory_is_needed_before_the_value_returns():
+    # At 11.5 MiB, c (s2) does not fit next to a and b: the swap-out is waited for before s2, and a
+    # is fetched back for s4. Fetching it at step 3 would leave no room for e, so a backtrack moves
+    # the prefetch to step 4.
+    program = gap_program()
+    schedule = plan_window(program, int(11.5 * MiB), window_bytes=12 * MiB)
+    assert named_moves(program, schedule) == [("offload", "a", 1, 2), ("prefetch", "a", 4, 4)]
+    # x is fetched once at step 0; kept on the device (holding 1 MiB to the end) it still fits.
+    assert schedule.host_inputs == frozenset()
+    assert validate(program, schedule) == ()
+
+
+def test_an_infeasible_budget_names_the_step_and_the_smallest_feasible_budget():
+    program = mlp_chain()
+    assert max(required_bytes(program)) == 14 * MiB
+    with pytest.raises(BudgetInfeasibleError, match=r"step 3 \(b3\) alone needs 14 MiB") as caught:
+        plan_window(program, 13 * MiB)
+    assert caught.value.required_bytes == 14 * MiB
+    assert caught.value.step == 3
+    assert "The smallest feasible budget is 14 MiB" in str(caught.value)
+    plan_window(program, 14 * MiB)  # and that budget does work
+
+
+def test_values_below_the_offload_threshold_never_move():
+    program = mlp_chain()
+    schedule = plan_window(program, 18 * MiB, min_offload_bytes=2 * MiB)
+    assert all(program.buffers[m.buffer].nbytes >= 2 * MiB for m in schedule.moves)
+    assert schedule.host_inputs == frozenset()
+    # Held on the device, the 1 MiB inputs and gradients raise what b3 needs.
+    with pytest.raises(BudgetInfeasibleError, match="lower min_offload_bytes"):
+        plan_window(program, 16 * MiB, min_offload_bytes=2 * MiB)
+
+
+def test_a_window_too_small_for_a_step_is_refused():
+    with pytest.raises(ValueError, match=r"window_bytes=1048576 cannot hold step 3 \(b3\), which touches 14 MiB"):
+        plan_window(mlp_chain(), 16 * MiB, window_bytes=MiB)
+
+
+def test_a_non_positive_budget_is_refused():
+    with pytest.raises(ValueError, match="budget_bytes must be positive"):
+        plan_window(mlp_chain(), 0)
+
+
+def test_an_output_replacing_a_streamed_input_is_returned_on_host():
+    # w is read by f and again by sgd, with a large activation between: it is dropped and fetched
+    # again. Its replacement w_new must then go back to host too, so the next step finds it there;
+    # the copy out completes at the end (its device copy is held to the end either way).
+    sizes = {"w": 4 * MiB, "h": 4 * MiB, "big": 8 * MiB, "g": 4 * MiB, "w_new": 4 * MiB}
+    ops = [("f", ["w"], ["h"]), ("mid", ["h"], ["big"]), ("grad", ["big", "h"], ["g"]), ("sgd", ["w", "g"], ["w_new"])]
+    program = Program.from_ops(ops, sizes, inputs=["w"], donated=["w"], outputs=["w_new"], aliases={"w_new": "w"})
+    schedule = plan_window(program, 16 * MiB)
+    assert named_moves(program, schedule) == [
+        ("prefetch", "w", 0, 0),
+        ("prefetch", "w", 3, 3),
+        ("offload", "w_new", 3, None),
+    ]
+    name = ids(program)
+    assert schedule.host_inputs == {name["w"]} and schedule.host_outputs == {name["w_new"]}
+    assert validate(program, schedule) == ()
+
+
+def test_donated_state_fetched_once_stays_on_the_device_with_its_replacement():
+    program = layered_training_step(12, activation_bytes=8 * MiB, param_bytes=MiB)
+    in_core = simulate(program, plan_window(program, 10**12)).peak_bytes
+    schedule = plan_window(program, in_core * 8 // 10)  # the first layers' state fits the opening window
+    pairs = [(buffer.aliased_input, b) for b, buffer in enumerate(program.buffers) if buffer.aliased_input is not None]
+    kept = [(i, o) for i, o in pairs if i not in schedule.host_inputs]
+    streamed = [(i, o) for i, o in pairs if i in schedule.host_inputs]
+    assert kept and streamed  # both cases occur at this budget
+    assert all(o not in schedule.host_outputs for _, o in kept)
+    assert all(o in schedule.host_outputs for _, o in streamed)
+    assert not any(m.buffer in {i for i, _ in kept} for m in schedule.moves)  # a kept input is never copied
+    assert validate(program, schedule) == ()
