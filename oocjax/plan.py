@@ -1,0 +1,120 @@
+"""``Plan``: what ``ooc_jit`` decided for one signature of a step, in the user's terms."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from oocjax.schedule import MemoryTimeline, Offload, Prefetch, Program, Schedule, format_bytes, keep_all, simulate
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OffloadInfo:
+    """One value sent to host during the step.
+
+    Attributes:
+      label: where it comes from ("output of dot_general from model.py:42").
+      nbytes: its size.
+      offload_after: the equation after which it is copied out.
+      prefetch_before: the equation at whose start it is copied back; None if it never comes back
+        (an output returned in host memory).
+    """
+
+    label: str
+    nbytes: int
+    offload_after: int
+    prefetch_before: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostInputInfo:
+    """An argument that lives in host memory between steps and is streamed in where it is read."""
+
+    label: str
+    nbytes: int
+    prefetch_before: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Plan:
+    """The plan for one argument signature. Equation indices refer to ``source_jaxpr`` with nested
+    ``jit`` calls inlined (the planner's steps).
+
+    Attributes:
+      budget_bytes: the device budget.
+      peak_bytes: simulated device peak with the plan.
+      baseline_peak_bytes: the same estimate with nothing moved (in-core).
+      host_peak_bytes: simulated host memory peak (host state and host copies).
+      offloads: one entry per value copied to host during the step, in plan order.
+      host_inputs: arguments kept on host between steps.
+      host_outputs: labels of results returned in host memory.
+      jaxpr: the rewritten step, with its transfers and barriers.
+      source_jaxpr: the step as traced.
+      program, schedule, timeline, baseline_timeline: the planner's view, for tools and plots.
+    """
+
+    budget_bytes: int
+    peak_bytes: int
+    baseline_peak_bytes: int
+    host_peak_bytes: int
+    offloads: tuple[OffloadInfo, ...]
+    host_inputs: tuple[HostInputInfo, ...]
+    host_outputs: tuple[str, ...]
+    jaxpr: Any
+    source_jaxpr: Any
+    program: Program
+    schedule: Schedule
+    timeline: MemoryTimeline
+    baseline_timeline: MemoryTimeline
+
+    @classmethod
+    def build(cls, *, program: Program, schedule: Schedule, jaxpr: Any, source_jaxpr: Any) -> Plan:
+        timeline = simulate(program, schedule)
+        baseline = simulate(program, keep_all(program))
+        fetches: dict[int, list[int]] = {}
+        for m in schedule.moves:
+            if isinstance(m, Prefetch):
+                fetches.setdefault(m.buffer, []).append(m.issue_step)
+        label = [b.label for b in program.buffers]
+        size = [b.nbytes for b in program.buffers]
+        offloads = tuple(
+            OffloadInfo(
+                label=label[m.buffer],
+                nbytes=size[m.buffer],
+                offload_after=m.after_step,
+                prefetch_before=fetches.get(m.buffer, [None])[0],
+            )
+            for m in schedule.moves
+            if isinstance(m, Offload)
+        )
+        host_inputs = tuple(
+            HostInputInfo(label=label[b], nbytes=size[b], prefetch_before=tuple(fetches.get(b, ())))
+            for b in sorted(schedule.host_inputs)
+        )
+        return cls(
+            budget_bytes=schedule.budget_bytes,
+            peak_bytes=timeline.peak_bytes,
+            baseline_peak_bytes=baseline.peak_bytes,
+            host_peak_bytes=timeline.host_peak_bytes,
+            offloads=offloads,
+            host_inputs=host_inputs,
+            host_outputs=tuple(label[b] for b in sorted(schedule.host_outputs)),
+            jaxpr=jaxpr,
+            source_jaxpr=source_jaxpr,
+            program=program,
+            schedule=schedule,
+            timeline=timeline,
+            baseline_timeline=baseline,
+        )
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes copied each way together during one step."""
+        return self.timeline.h2d_bytes + self.timeline.d2h_bytes
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan(peak={format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}, "
+            f"in-core {format_bytes(self.baseline_peak_bytes)}, {len(self.offloads)} offloads, "
+            f"{len(self.host_inputs)} host inputs, {format_bytes(self.moved_bytes)} moved)"
+        )

@@ -1,0 +1,104 @@
+"""Every use of jax internals (``jax.extend`` and ``jax._src``) in oocjax, in one place.
+
+Checked against jax 0.10.2. When jax moves, this is the only file that should need to follow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from jax._src import source_info_util
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import primitives as _p
+
+__all__ = [
+    "ClosedJaxpr",
+    "DropVar",
+    "Jaxpr",
+    "JaxprEqn",
+    "Literal",
+    "Var",
+    "bind_equation",
+    "equation_context",
+    "nbytes",
+    "source_line",
+    "sub_jaxprs",
+]
+
+# Higher-order primitives oocjax knows. ``jit`` (pjit) calls are inlined; the others stay opaque.
+jit_p = _p.jit_p
+scan_p = _p.scan_p
+while_p = _p.while_p
+cond_p = _p.cond_p
+remat_p = _p.remat_p
+custom_jvp_call_p = _p.custom_jvp_call_p
+custom_vjp_call_p = _p.custom_vjp_call_p
+closed_call_p = _p.closed_call_p
+# Primitives whose jaxpr params are scalar combiners (how to add two elements), not calls: they
+# need no scratch beyond their operands and results.
+combiner_primitives = frozenset(
+    getattr(_p, name)
+    for name in (
+        "scatter_p",
+        "scatter_add_p",
+        "scatter_mul_p",
+        "scatter_min_p",
+        "scatter_max_p",
+        "reduce_p",
+        "reduce_window_p",
+        "select_and_scatter_p",
+        "select_and_scatter_add_p",
+        "select_and_gather_add_p",
+    )
+)
+
+
+def nbytes(aval: Any) -> int:
+    """Device bytes of an abstract value; 0 for tokens and other shapeless values.
+
+    Extended dtypes (PRNG keys) report the itemsize of their underlying data.
+    """
+    shape, dtype = getattr(aval, "shape", None), getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    size = 1
+    for dim in shape:
+        size *= int(dim)
+    return size * int(dtype.itemsize)
+
+
+def sub_jaxprs(params: dict[str, Any]) -> Iterator[tuple[str, ClosedJaxpr | Jaxpr]]:
+    """The jaxprs an equation's params hold, found generically (as equinox's passes do)."""
+    for name, value in params.items():
+        values = value if isinstance(value, tuple) else (value,)
+        for item in values:
+            if isinstance(item, (ClosedJaxpr, Jaxpr)):
+                yield name, item
+
+
+def bind_equation(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Applies an equation's primitive to values, as ``jax.core.eval_jaxpr`` does."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    # Older jax returned (subfuns, params); 0.10.2 returns the params alone.
+    subfuns, params = params if isinstance(params, tuple) else ((), params)
+    outs = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+@contextlib.contextmanager
+def equation_context(eqn: JaxprEqn) -> Iterator[None]:
+    """Re-binds under the equation's user source info, so the rewritten program points at user code."""
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
+        yield
+
+
+def source_line(eqn: JaxprEqn) -> str:
+    """``"model.py:42 (loss)"``: the user frame an equation came from, or ``""`` if none."""
+    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return ""
+    function = frame.function_name.rsplit(".", 1)[-1]
+    return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({function})"
