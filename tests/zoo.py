@@ -1,0 +1,163 @@
+"""Training steps written as users write them (Flax Linen + Optax), small enough for a CPU.
+
+Each case gives a step ``(state, batch) -> (state, metrics)``, an initial state, a few batches and
+whether the state is donated. The steps are plain functions: the tests jit them with ``jax.jit``
+and with ``ooc_jit`` and compare.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    step: Callable
+    state: Any
+    batches: list
+    donate: bool
+
+
+class MLP(nn.Module):
+    width: int = 96
+    depth: int = 6
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = nn.relu(nn.Dense(self.width, dtype=self.dtype, param_dtype=self.dtype)(x))
+        return nn.Dense(10, dtype=self.dtype, param_dtype=self.dtype)(x)
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        for features in (8, 8, 16, 16, 16, 16):
+            x = nn.Conv(features, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=not train)(x)
+            x = nn.relu(x)
+        return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+
+class Block(nn.Module):
+    width: int = 64
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        h = nn.LayerNorm()(x)
+        # No biases: the key bias has an exactly zero gradient (softmax ignores a shift along the
+        # keys), so Adam would amplify rounding noise in it to the size of the learning rate.
+        h = nn.MultiHeadDotProductAttention(num_heads=4, dropout_rate=0.1, deterministic=not train, use_bias=False)(h)
+        x = x + nn.Dropout(0.1, deterministic=not train)(h)
+        h = nn.Dense(4 * self.width)(nn.LayerNorm()(x))
+        return x + nn.Dropout(0.1, deterministic=not train)(nn.Dense(self.width)(nn.gelu(h)))
+
+
+class TinyLM(nn.Module):
+    vocab: int = 50
+    width: int = 64
+
+    @nn.compact
+    def __call__(self, tokens, train: bool):
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        for _ in range(4):
+            x = Block(self.width)(x, train)
+        return nn.Dense(self.vocab)(x)
+
+
+def _classifier_batches(key, n, shape, dtype=jnp.float32):
+    keys = jax.random.split(key, n)
+    return [
+        (jax.random.normal(k, shape, dtype), jax.random.randint(jax.random.fold_in(k, 1), (shape[0],), 0, 10))
+        for k in keys
+    ]
+
+
+def mlp_adam(dtype=jnp.float32, name="mlp_adam") -> Case:
+    model, optimizer = MLP(dtype=dtype), optax.adam(1e-3)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 64), dtype))
+
+    def step(state, batch):
+        params, opt_state = state
+        x, y = batch
+
+        def loss_fn(p):
+            logits = model.apply(p, x).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+    batches = _classifier_batches(jax.random.key(1), 3, (128, 64), dtype)
+    return Case(name, step, (params, optimizer.init(params)), batches, donate=True)
+
+
+def cnn_batchnorm_momentum() -> Case:
+    model, optimizer = CNN(), optax.sgd(0.05, momentum=0.9)
+    variables = model.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)), train=False)
+
+    def step(state, batch):
+        params, batch_stats, opt_state = state
+        x, y = batch
+
+        def loss_fn(p):
+            logits, updated = model.apply(
+                {"params": p, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+            )
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), updated["batch_stats"]
+
+        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), batch_stats, opt_state), {"loss": loss}
+
+    params = variables["params"]
+    batches = _classifier_batches(jax.random.key(2), 3, (16, 16, 16, 3))
+    return Case(
+        "cnn_batchnorm_momentum",
+        step,
+        (params, variables["batch_stats"], optimizer.init(params)),
+        batches,
+        donate=False,
+    )
+
+
+def transformer_dropout_adamw() -> Case:
+    model, optimizer = TinyLM(), optax.adamw(1e-3, weight_decay=0.01)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 32), jnp.int32), train=False)
+
+    def step(state, batch):
+        params, opt_state, key = state
+        key, dropout_key = jax.random.split(key)
+
+        def loss_fn(p):
+            logits = model.apply(p, batch[:, :-1], train=True, rngs={"dropout": dropout_key})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        # None leaves in the metrics: pytrees with holes must come back as they went in.
+        return (optax.apply_updates(params, updates), opt_state, key), {"loss": loss, "aux": None}
+
+    batches = [jax.random.randint(jax.random.key(3 + i), (16, 33), 0, 50) for i in range(3)]
+    return Case(
+        "transformer_dropout_adamw", step, (params, optimizer.init(params), jax.random.key(7)), batches, donate=True
+    )
+
+
+def all_cases() -> list[Case]:
+    return [
+        mlp_adam(),
+        mlp_adam(jnp.bfloat16, name="mlp_bfloat16_adam"),
+        cnn_batchnorm_momentum(),
+        transformer_dropout_adamw(),
+    ]
