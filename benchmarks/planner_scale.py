@@ -10,18 +10,26 @@ Plans synthetic layered training steps (``oocjax.schedule.synthetic``) of about 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import platform
 import time
+from pathlib import Path
 
 from oocjax.schedule import keep_all, plan_window, simulate, validate
 from oocjax.schedule.synthetic import layered_training_step
+
+try:
+    from benchmarks._machine import machine
+except ImportError:  # run as a script from benchmarks/
+    from _machine import machine
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1000,3000,10000,30000,100000,200000")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs per cell")
+    parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
     targets = [int(s) for s in args.sizes.split(",")]
     print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}")
@@ -41,13 +49,22 @@ def main() -> None:
             valid = not validate(program, schedule)
             rows.setdefault(fraction, []).append((steps, best))
             print(f"{steps:>8} {fraction:>8} {best:>8.3f} {best / steps * 1e6:>8.1f} {len(schedule.moves):>7}  {valid}")
+    exponents = {}
     for fraction, points in rows.items():
         if len(points) >= 2:
             xs = [math.log(s) for s, _ in points]
             ys = [math.log(t) for _, t in points]
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-            print(f"growth exponent at {fraction:.0%} of in-core: {slope:.2f} (1.0 linear, ~1.1 n log n here)")
+            exponents[fraction] = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            print(f"growth exponent at {fraction:.0%} of in-core: {exponents[fraction]:.2f} (1.0 linear)")
+    if args.out:
+        record = dict(
+            benchmark="planner_scale",
+            seconds={str(f): [[steps, t] for steps, t in points] for f, points in rows.items()},
+            growth_exponent={str(f): e for f, e in exponents.items()},
+            **machine(),
+        )
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -26,11 +26,11 @@ start and keep" stay on the device instead, and outputs follow the memory of the
 
 from __future__ import annotations
 
-import gc
 from collections import deque
 from itertools import accumulate
 
 from oocjax.errors import BudgetInfeasibleError
+from oocjax.schedule._gc import gc_paused
 from oocjax.schedule.baselines import keep_all
 from oocjax.schedule.moves import Offload, Prefetch, Schedule, move_order
 from oocjax.schedule.program import Program, held_for_whole_step
@@ -78,19 +78,12 @@ def plan_window(
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     window = int(budget_bytes * DEFAULT_WINDOW_FACTOR) if window_bytes is None else window_bytes
-    # Planning allocates many small objects and no reference cycles; CPython's cyclic collector
-    # would rescan them again and again as they accumulate, for nothing.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         if simulate(program, keep_all(program)).peak_bytes <= budget_bytes:
             return keep_all(program, budget_bytes=budget_bytes, strategy="window")
         check_feasible(program, budget_bytes, min_offload_bytes)
         _check_window(program, window)
         return _settle_homes(program, _WindowPlanner(program, budget_bytes, window, min_offload_bytes).plan())
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def required_bytes(program: Program, min_offload_bytes: int = MiB) -> list[int]:

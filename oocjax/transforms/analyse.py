@@ -20,6 +20,7 @@ from typing import Any
 
 from oocjax.errors import UnsupportedPrimitiveError
 from oocjax.schedule import Buffer, Program, Step, keep_all, simulate
+from oocjax.schedule._gc import gc_paused
 from oocjax.transforms import _compat as jc
 
 Ref = int | jc.Literal  # a buffer id, or a literal operand
@@ -80,8 +81,9 @@ def flatten(closed: jc.ClosedJaxpr) -> FlatProgram:
                     env[var] = result
         return [read(atom) for atom in jaxpr.outvars]
 
-    arguments = [new(var.aval) for var in closed.jaxpr.invars]
-    outputs = inline(closed.jaxpr, closed.consts, arguments)
+    with gc_paused():
+        arguments = [new(var.aval) for var in closed.jaxpr.invars]
+        outputs = inline(closed.jaxpr, closed.consts, arguments)
     return FlatProgram(
         equations=tuple(equations),
         avals=tuple(avals),
@@ -137,12 +139,20 @@ class _Analysis:
 
     def __init__(self) -> None:
         self.bodies: dict[int, _BodyCost] = {}
+        self.lines: dict[int, str] = {}  # id(eqn) -> its source line: looked up once per equation
+
+    def source_line(self, eqn: jc.JaxprEqn) -> str:
+        key = id(eqn)
+        if key not in self.lines:
+            self.lines[key] = jc.source_line(eqn)
+        return self.lines[key]
 
     def program(self, flat: FlatProgram, *, input_labels: Sequence[str], donated: Sequence[bool]) -> Program:
         constant_ids = {b for b, _ in flat.constants}
         defined_by: dict[int, jc.JaxprEqn] = {o: fe.eqn for fe in flat.equations for o in fe.outputs}
         outputs = [r for r in flat.outputs if isinstance(r, int)]
         aliases = _donation_aliases(flat, outputs, donated)
+        returned = set(outputs)
         buffers = []
         for b, aval in enumerate(flat.avals):
             if b < flat.num_inputs:
@@ -151,13 +161,13 @@ class _Analysis:
                 kind, label = "constant", f"constant {aval.str_short()}"
             else:
                 eqn = defined_by[b]
-                where = jc.source_line(eqn)
+                where = self.source_line(eqn)
                 kind, label = "computed", f"output of {eqn.primitive.name}" + (f" from {where}" if where else "")
             buffers.append(
                 Buffer(
                     nbytes=jc.nbytes(aval),
                     kind=kind,
-                    is_output=b in outputs,
+                    is_output=b in returned,
                     donated=b < flat.num_inputs and bool(donated[b]),
                     aliased_input=aliases.get(b),
                     label=label,
@@ -191,7 +201,7 @@ class _Analysis:
             flops=flops,
             bytes_accessed=touched,
             name=eqn.primitive.name,
-            label=jc.source_line(eqn),
+            label=self.source_line(eqn),
         )
 
     def body(self, jaxpr: Any) -> _BodyCost:
@@ -228,4 +238,5 @@ def _donation_aliases(flat: FlatProgram, outputs: Sequence[int], donated: Sequen
 
 def to_program(flat: FlatProgram, *, input_labels: Sequence[str], donated: Sequence[bool]) -> Program:
     """The planner's program for a flattened step."""
-    return _Analysis().program(flat, input_labels=input_labels, donated=donated)
+    with gc_paused():
+        return _Analysis().program(flat, input_labels=input_labels, donated=donated)

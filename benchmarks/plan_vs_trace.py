@@ -1,0 +1,143 @@
+"""Does planning cost more than tracing? A 48-layer GPT-2-style Flax training step, on the CPU.
+
+Times, best of ``--repeats``, each on a freshly built step function so that no JAX cache helps:
+  trace:   ``jax.jit(step).trace(state, batch)`` (what ``ooc_jit`` does first, and ``jax.jit`` too);
+  plan:    analyse (flatten, size, label) + the window planner, at half the in-core estimate;
+  rewrite: tracing the rewritten step (transfers and barriers), reported apart: it replaces the
+           trace ``jax.jit`` would do on the first call.
+Prints the equation count and the ratio plan / trace (the target is at most 1).
+
+    python benchmarks/plan_vs_trace.py [--layers 48] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from oocjax.api import _compile_rewritten
+from oocjax.schedule import keep_all, plan_window, simulate
+from oocjax.transforms.analyse import flatten, to_program
+
+try:
+    from benchmarks._machine import machine
+except ImportError:  # run as a script from benchmarks/
+    from _machine import machine
+
+
+class Block(nn.Module):
+    width: int
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=nn.make_causal_mask(x[..., 0]))
+        h = nn.LayerNorm()(x)
+        return x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(h)))
+
+
+class GPT(nn.Module):
+    layers: int
+    width: int = 64
+    heads: int = 4
+    vocab: int = 256
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        x = x + self.param("position", nn.initializers.normal(0.02), (tokens.shape[1], self.width))
+        for _ in range(self.layers):
+            x = Block(self.width, self.heads)(x)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def make_step(model, optimizer):
+    def step(state, tokens):
+        params, opt_state = state
+
+        def loss_fn(p):
+            logits = model.apply(p, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return step
+
+
+def best_of(repeats: int, fn) -> tuple[float, object]:
+    best, result = math.inf, None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", help="also write the figures to this JSON file")
+    args = parser.parse_args()
+
+    model, optimizer = GPT(args.layers), optax.adamw(1e-3)
+    tokens = jnp.zeros((8, 65), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1])
+    state = (params, jax.eval_shape(optimizer.init, params))
+
+    trace_s, traced = best_of(args.repeats, lambda: jax.jit(make_step(model, optimizer)).trace(state, tokens))
+    labels = [f"leaf {i}" for i in range(len(jax.tree.leaves(state)) + 1)]
+    donated = [False] * len(labels)
+
+    def analyse():
+        flat = flatten(traced.jaxpr)
+        return flat, to_program(flat, input_labels=labels, donated=donated)
+
+    analyse_s, (flat, program) = best_of(args.repeats, analyse)
+    budget = simulate(program, keep_all(program)).peak_bytes // 2
+    planner_s, schedule = best_of(args.repeats, lambda: plan_window(program, budget, min_offload_bytes=64 * 1024))
+
+    def rewrite():
+        jitted, _ = _compile_rewritten(flat, schedule, donated)
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat.avals[: flat.num_inputs]]
+        return jitted.trace(*specs)
+
+    rewrite_s, _ = best_of(1, rewrite)
+    plan_s = analyse_s + planner_s
+    print(
+        f"GPT-2-style step, {args.layers} layers: {len(flat.equations)} equations after inlining, "
+        f"{len(schedule.moves)} moves at half the in-core estimate"
+    )
+    print(f"trace   {trace_s:7.3f} s")
+    print(f"plan    {plan_s:7.3f} s  (analyse {analyse_s:.3f} s + planner {planner_s:.3f} s)")
+    print(f"rewrite {rewrite_s:7.3f} s  (tracing the rewritten step; replaces jax.jit's own trace)")
+    print(f"plan / trace = {plan_s / trace_s:.2f}  (target: at most 1)")
+    if args.out:
+        record = dict(
+            benchmark="plan_vs_trace",
+            layers=args.layers,
+            equations=len(flat.equations),
+            moves=len(schedule.moves),
+            trace_s=trace_s,
+            analyse_s=analyse_s,
+            planner_s=planner_s,
+            rewrite_s=rewrite_s,
+            ratio=plan_s / trace_s,
+            **machine(),
+        )
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
