@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from oocjax.schedule import MemoryTimeline, Offload, Prefetch, Program, Schedule, format_bytes, keep_all, simulate
+from oocjax.schedule import (
+    Buffer,
+    MemoryTimeline,
+    Offload,
+    Prefetch,
+    Program,
+    Schedule,
+    Step,
+    format_bytes,
+    keep_all,
+    simulate,
+)
+from oocjax.schedule.cost import DeviceProfile
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,5 +129,76 @@ class Plan:
         return (
             f"Plan(peak={format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}, "
             f"in-core {format_bytes(self.baseline_peak_bytes)}, {len(self.offloads)} offloads, "
-            f"{len(self.host_inputs)} host inputs, {format_bytes(self.moved_bytes)} moved)"
+            f"{format_bytes(self.moved_bytes)} moved)"
         )
+
+    # -- views (oocjax.render, oocjax.plotting) ------------------------------------------------
+
+    def summary(self, profile: DeviceProfile | str | None = "h100-pcie", *, largest: int = 10) -> str:
+        """A text report: budget, in-core and planned peaks (and where), traffic, host memory, the
+        largest moves, and the step time simulated on ``profile`` (a name from
+        ``oocjax.schedule.cost.PROFILES``, a ``DeviceProfile``, or None to leave it out)."""
+        from oocjax import render
+
+        return render.summary(self, profile, largest=largest)
+
+    def plot(self, ax: Any = None, profile: DeviceProfile | str | None = None) -> Any:
+        """Device memory over the program, in-core against planned, with the budget and every move;
+        with a ``profile``, a second panel with the compute and copy streams over time. Needs
+        matplotlib (``pip install oocjax[plot]``). Returns the axes."""
+        from oocjax import plotting
+
+        return plotting.plot(self, ax=ax, profile=profile)
+
+    def pretty_jaxpr(self) -> str:
+        """The rewritten jaxpr with transfers and barriers marked and moved values labelled."""
+        from oocjax import render
+
+        return render.pretty_jaxpr(self)
+
+    def _repr_html_(self) -> str:
+        from oocjax import render
+
+        return render.html_view(self)
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        """The plan as JSON: the planner's program and schedule (jaxprs are not saved)."""
+        moves = [{type(m).__name__.lower(): asdict(m)} for m in self.schedule.moves]
+        schedule = asdict(self.schedule) | {
+            "host_inputs": sorted(self.schedule.host_inputs),
+            "host_outputs": sorted(self.schedule.host_outputs),
+            "moves": moves,
+        }
+        program = {
+            "steps": [
+                asdict(step) | {"reads": list(step.reads), "writes": list(step.writes)} for step in self.program.steps
+            ],
+            "buffers": [asdict(buffer) for buffer in self.program.buffers],
+        }
+        return json.dumps({"format": "oocjax.plan/1", "program": program, "schedule": schedule}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """A plan saved by ``to_json``; its ``jaxpr`` and ``source_jaxpr`` are None."""
+        data = json.loads(text)
+        if data.get("format") != "oocjax.plan/1":
+            raise ValueError(f"not an oocjax plan (format {data.get('format')!r}, expected 'oocjax.plan/1')")
+        program = Program(
+            steps=tuple(
+                Step(**(step | {"reads": tuple(step["reads"]), "writes": tuple(step["writes"])}))
+                for step in data["program"]["steps"]
+            ),
+            buffers=tuple(Buffer(**buffer) for buffer in data["program"]["buffers"]),
+        )
+        kinds = {"offload": Offload, "prefetch": Prefetch}
+        saved = data["schedule"]
+        schedule = Schedule(
+            strategy=saved["strategy"],
+            budget_bytes=saved["budget_bytes"],
+            host_inputs=frozenset(saved["host_inputs"]),
+            host_outputs=frozenset(saved["host_outputs"]),
+            moves=tuple(kinds[kind](**fields) for move in saved["moves"] for kind, fields in move.items()),
+        )
+        return cls.build(program=program, schedule=schedule, jaxpr=None, source_jaxpr=None)

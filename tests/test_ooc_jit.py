@@ -215,3 +215,13 @@ def test_static_and_keyword_arguments_work_as_with_jax_jit():
     actual = ooc(PARAMS, X, scale=2.0, steps=2)
     np.testing.assert_allclose(actual[1], expected[1], rtol=1e-6)
     assert isinstance(plan.schedule.moves[0], Prefetch | Offload)
+
+
+def test_the_pretty_jaxpr_marks_every_transfer_with_the_value_it_moves():
+    plan = tight_step().plan(PARAMS, X)
+    text = plan.pretty_jaxpr()
+    assert text.count("<<< OFFLOAD") == len(plan.offloads)
+    assert text.count(">>> PREFETCH") == len(plan.schedule.prefetches)
+    assert "# transfer" not in text  # every device_put matched a planned move
+    for offload in plan.offloads:
+        assert f"OFFLOAD after equation {offload.offload_after}: {offload.label}" in text

@@ -1,0 +1,89 @@
+"""Matplotlib figures of a plan. matplotlib is an optional extra, imported only here, only when used."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from oocjax.render import _count
+from oocjax.schedule import Offload
+from oocjax.schedule.cost import DeviceProfile, simulate_time
+
+if TYPE_CHECKING:
+    from oocjax.plan import Plan
+
+MiB = 2**20
+
+
+def _pyplot():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError(
+            "Plan.plot needs matplotlib, an optional extra: pip install 'oocjax[plot]' "
+            "(or pip install matplotlib). Plan.summary() and the notebook view need nothing more."
+        ) from None
+    return plt
+
+
+def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None) -> Any:
+    """Device memory per equation: in-core and planned, the budget, offloads and prefetches. With a
+    profile, a second panel shows the compute and copy streams of the timed simulation.
+
+    Returns the memory axes, or (memory axes, stream axes) with a profile.
+    """
+    plt = _pyplot()
+    if ax is None:
+        rows = 2 if profile is not None else 1
+        _, axes = plt.subplots(rows, 1, figsize=(10, 3.2 * rows), squeeze=False)
+        ax, stream_ax = axes[0][0], (axes[1][0] if profile is not None else None)
+    else:
+        stream_ax = ax.figure.add_axes([0.1, -0.45, 0.8, 0.35]) if profile is not None else None
+
+    steps = range(len(plan.timeline.device_bytes))
+    ax.step(
+        steps,
+        [b / MiB for b in plan.baseline_timeline.device_bytes],
+        where="post",
+        color="0.55",
+        label=f"in-core ({plan.baseline_peak_bytes / MiB:.1f} MiB peak)",
+    )
+    ax.step(
+        steps,
+        [b / MiB for b in plan.timeline.device_bytes],
+        where="post",
+        color="tab:blue",
+        linewidth=2,
+        label=f"planned ({plan.peak_bytes / MiB:.1f} MiB peak)",
+    )
+    ax.axhline(plan.budget_bytes / MiB, color="tab:red", linestyle="--", label="budget")
+    offloads = [m.after_step for m in plan.schedule.moves if isinstance(m, Offload)]
+    prefetches = [m.issue_step for m in plan.schedule.moves if not isinstance(m, Offload)]
+    ax.plot(offloads, [0] * len(offloads), "v", color="tab:orange", markersize=5, label="offload")
+    ax.plot(prefetches, [0] * len(prefetches), "^", color="tab:green", markersize=5, label="prefetch")
+    ax.set_xlabel("equation")
+    ax.set_ylabel("device memory (MiB)")
+    ax.set_ylim(bottom=-0.04 * max(plan.baseline_peak_bytes / MiB, 1))
+    ax.legend(loc="upper right", fontsize="small")
+    ax.set_title(f"{_count(len(plan.offloads), 'offload')}, {_count(len(plan.host_inputs), 'argument')} on host")
+
+    if stream_ax is None:
+        return ax
+    timed = simulate_time(plan.program, plan.schedule, profile)
+    lanes = [
+        ("compute", timed.compute_spans, "tab:blue"),
+        ("host to device", timed.h2d_spans, "tab:green"),
+        ("device to host", timed.d2h_spans, "tab:orange"),
+    ]
+    for row, (_, spans, color) in enumerate(lanes):
+        stream_ax.broken_barh(
+            [(start * 1e3, (end - start) * 1e3) for start, end in spans], (row - 0.4, 0.8), color=color
+        )
+    stream_ax.set_yticks(range(len(lanes)), [name for name, _, _ in lanes])
+    stream_ax.set_xlabel("time (ms)")
+    name = profile if isinstance(profile, str) else profile.name
+    stream_ax.set_title(
+        f"timed simulation on {name}: step {timed.step_time_s * 1e3:.3g} ms, "
+        f"exposed transfers {timed.exposed_transfer_s * 1e3:.3g} ms"
+    )
+    ax.figure.tight_layout()
+    return ax, stream_ax

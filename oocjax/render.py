@@ -1,0 +1,191 @@
+"""Plans for people: a text summary, an inline SVG memory timeline, an annotated jaxpr.
+
+Nothing here needs matplotlib (``oocjax.plotting`` does, lazily) or jax.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+from oocjax.schedule import Offload, Prefetch, format_bytes
+from oocjax.schedule.cost import PROFILES, DeviceProfile, simulate_time
+
+if TYPE_CHECKING:
+    from oocjax.plan import Plan
+
+DEFAULT_PROFILE = "h100-pcie"
+
+
+def summary(plan: Plan, profile: DeviceProfile | str | None = DEFAULT_PROFILE, *, largest: int = 10) -> str:
+    """The plan as a text report: memory, traffic, the largest moves, and the timed simulation."""
+    timeline, program = plan.timeline, plan.program
+    peak_at = (
+        ""
+        if timeline.peak_step is None
+        else f" at equation {timeline.peak_step} ({program.steps[timeline.peak_step].describe()})"
+    )
+    host_inputs = sum(h.nbytes for h in plan.host_inputs)
+    rows = [
+        ("budget", format_bytes(plan.budget_bytes)),
+        ("in-core peak", format_bytes(plan.baseline_peak_bytes)),
+        ("planned peak", format_bytes(plan.peak_bytes) + peak_at),
+        ("to host", f"{format_bytes(timeline.d2h_bytes)} in {len(plan.offloads)} offloads"),
+        ("to device", f"{format_bytes(timeline.h2d_bytes)} in {len(plan.schedule.prefetches)} prefetches"),
+        ("host peak", format_bytes(plan.host_peak_bytes)),
+        (
+            "kept on host",
+            f"{_count(len(plan.host_inputs), 'argument')} ({format_bytes(host_inputs)}), "
+            f"{_count(len(plan.host_outputs), 'result')}",
+        ),
+    ]
+    lines = [f"oocjax plan ({plan.schedule.strategy}, {len(program.steps)} equations)"]
+    lines += [f"  {name:<13} {value}" for name, value in rows]
+
+    moves = _move_rows(plan)
+    if moves:
+        shown = sorted(moves, key=lambda row: -row[1])[:largest]
+        lines += ["", f"Largest moves ({len(shown)} of {len(moves)}):"]
+        table = [("size", "out after", "back before", "distance", "value")]
+        table += [(format_bytes(n), out, back, dist, label) for label, n, out, back, dist in shown]
+        widths = [max(len(row[i]) for row in table) for i in range(4)]
+        for row in table:
+            cells = [row[i].rjust(widths[i]) for i in range(4)]
+            lines.append("  " + "  ".join(cells) + "  " + row[4])
+
+    if profile is not None:
+        timed = simulate_time(program, plan.schedule, profile)
+        device = PROFILES[profile] if isinstance(profile, str) else profile
+        lines += [
+            "",
+            f"Timed simulation on {device.name} ({device.flops_per_s / 1e12:g} TFLOP/s sustained, "
+            f"host link {device.h2d_bytes_per_s / 1e9:g} GB/s in, {device.d2h_bytes_per_s / 1e9:g} GB/s out):",
+            f"  step time     {_seconds(timed.step_time_s)} = compute {_seconds(timed.compute_time_s)}"
+            f" + exposed transfers {_seconds(timed.exposed_transfer_s)}",
+            f"  lower bound   {_seconds(timed.lower_bound_s)} (max of compute and each link's traffic)",
+        ]
+    return "\n".join(lines)
+
+
+def _move_rows(plan: Plan) -> list[tuple[str, int, str, str, str]]:
+    """(label, bytes, out after, back before, distance) per offloaded value and per host argument."""
+    rows = []
+    for o in plan.offloads:
+        back = "-" if o.prefetch_before is None else str(o.prefetch_before)
+        distance = "stays on host" if o.prefetch_before is None else str(o.prefetch_before - o.offload_after)
+        rows.append((o.label, o.nbytes, str(o.offload_after), back, distance))
+    for h in plan.host_inputs:
+        fetched = ", ".join(map(str, h.prefetch_before)) or "never read"
+        rows.append((h.label, h.nbytes, "host", fetched, "-"))
+    return rows
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("h") else f"{n} {noun}s"
+
+
+def _seconds(s: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s / 1e-9:.3g} ns"
+
+
+# -- SVG -----------------------------------------------------------------------------------------
+
+_WIDTH, _HEIGHT, _PAD = 720, 260, 40
+
+
+def svg_timeline(plan: Plan) -> str:
+    """Device memory over the equations: in-core and planned curves, the budget line, and one mark
+    per move (down triangles: offloads, up triangles: prefetches). Plain SVG, no dependencies."""
+    planned, in_core = plan.timeline.device_bytes, plan.baseline_timeline.device_bytes
+    n = max(len(planned), 1)
+    top = max([plan.budget_bytes, *planned, *in_core, 1]) * 1.05
+    inner_w, inner_h = _WIDTH - 2 * _PAD, _HEIGHT - 2 * _PAD
+
+    def x(step: float) -> float:
+        return _PAD + inner_w * step / n
+
+    def y(nbytes: float) -> float:
+        return _PAD + inner_h * (1 - nbytes / top)
+
+    def curve(values, css: str) -> str:
+        points = " ".join(f"{x(k):.1f},{y(v):.1f} {x(k + 1):.1f},{y(v):.1f}" for k, v in enumerate(values))
+        return f'<polyline class="{css}" fill="none" points="{points}"/>'
+
+    marks = []
+    for move in plan.schedule.moves:
+        if isinstance(move, Offload):
+            cx, tip, base = x(move.after_step + 1), _HEIGHT - _PAD + 14, _HEIGHT - _PAD + 6
+            kind, what = "offload", f"offload after equation {move.after_step}"
+        else:
+            cx, tip, base = x(move.issue_step), _HEIGHT - _PAD + 6, _HEIGHT - _PAD + 14
+            kind, what = "prefetch", f"prefetch at equation {move.issue_step}"
+        label = html.escape(f"{what}: {plan.program.buffers[move.buffer].label}")
+        marks.append(
+            f'<polygon class="move {kind}" points="{cx - 3:.1f},{base} {cx + 3:.1f},{base} {cx:.1f},{tip}">'
+            f"<title>{label}</title></polygon>"
+        )
+    budget_y = y(plan.budget_bytes)
+    return "\n".join(
+        [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{_HEIGHT + 20}" '
+            f'viewBox="0 0 {_WIDTH} {_HEIGHT + 20}" font-family="sans-serif" font-size="11">',
+            "<style>.in-core{stroke:#999;stroke-width:1.5}.planned{stroke:#1f77b4;stroke-width:2}"
+            ".budget{stroke:#d62728;stroke-dasharray:6 4}.offload{fill:#ff7f0e}.prefetch{fill:#2ca02c}</style>",
+            f'<line x1="{_PAD}" y1="{_HEIGHT - _PAD}" x2="{_WIDTH - _PAD}" y2="{_HEIGHT - _PAD}" stroke="#333"/>',
+            curve(in_core, "in-core"),
+            curve(planned, "planned"),
+            f'<line class="budget" x1="{_PAD}" y1="{budget_y:.1f}" x2="{_WIDTH - _PAD}" y2="{budget_y:.1f}"/>',
+            f'<text x="{_WIDTH - _PAD}" y="{budget_y - 4:.1f}" text-anchor="end" fill="#d62728">'
+            f"budget {html.escape(format_bytes(plan.budget_bytes))}</text>",
+            f'<text x="{_PAD}" y="{_PAD - 10}">device memory: in-core (grey), planned (blue); '
+            "moves: offload (orange), prefetch (green)</text>",
+            f'<text x="{_WIDTH / 2}" y="{_HEIGHT + 14}" text-anchor="middle">equation</text>',
+            *marks,
+            "</svg>",
+        ]
+    )
+
+
+def html_view(plan: Plan) -> str:
+    return f"<div><pre>{html.escape(summary(plan))}</pre>{svg_timeline(plan)}</div>"
+
+
+# -- the rewritten jaxpr, annotated ----------------------------------------------------------------
+
+
+def pretty_jaxpr(plan: Plan) -> str:
+    """The rewritten jaxpr as jax prints it, with every transfer and barrier the rewrite inserted
+    marked at the end of its equation, and each moved value labelled with where it came from."""
+    if plan.jaxpr is None:
+        raise ValueError("this plan has no jaxpr (it was loaded from JSON); plan the step again to see it")
+    moves = iter(plan.schedule.moves)
+    label = [b.label for b in plan.program.buffers]
+    lines = str(plan.jaxpr).splitlines()
+    out: list[str] = []
+    block: list[str] = []  # a top-level device_put equation, which jax prints over several lines
+    for line in lines:
+        if block or _is_top_level(line, "device_put["):
+            block.append(line)
+            if line.startswith("    ]"):
+                out += [*block[:-1], f"{line}    # {_transfer_note(' '.join(block), next(moves, None), label)}"]
+                block = []
+        elif _is_top_level(line, "optimization_barrier"):
+            out.append(f"{line}    # ||| barrier: pins a transfer to this point")
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _is_top_level(line: str, primitive: str) -> bool:
+    return line.startswith("    ") and not line.startswith("     ") and f"= {primitive}" in line
+
+
+def _transfer_note(block: str, move: Offload | Prefetch | None, label: list[str]) -> str:
+    if "MemorySpace.Host" in block and isinstance(move, Offload):
+        return f"<<< OFFLOAD after equation {move.after_step}: {label[move.buffer]}"
+    if "MemorySpace.Device" in block and isinstance(move, Prefetch):
+        return f">>> PREFETCH at equation {move.issue_step} for {move.use_step}: {label[move.buffer]}"
+    return "transfer"
