@@ -19,12 +19,14 @@ from typing import Any
 import jax
 
 from oocjax.budget import resolve_budget
+from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.plan import Plan
-from oocjax.schedule import Schedule, plan_window
+from oocjax.schedule import Schedule, format_bytes, plan_window
 from oocjax.transforms.analyse import FlatProgram, flatten, to_program
 from oocjax.transforms.rewrite import rewritten_step
 
 PLANNER_OPTIONS = ("window_bytes", "min_offload_bytes")
+MAX_REPLANS = 4  # closed loop on the budget: re-plans after XLA's compiled peak came out too large
 
 
 def ooc_jit(
@@ -34,6 +36,7 @@ def ooc_jit(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     donate_argnums: int | Sequence[int] = (),
+    check_compiled_peak: bool | None = None,
     **planner_options: Any,
 ) -> OocJitted:
     """Like ``jax.jit(fun)``, but the compiled step keeps device memory within ``budget``.
@@ -48,6 +51,10 @@ def ooc_jit(
         where the device reports its size.
       static_argnums, static_argnames, donate_argnums: as for ``jax.jit``. Donate the training
         state so that state kept in host memory stays there across steps without extra copies.
+      check_compiled_peak: compile each plan and compare XLA's own peak (``memory_analysis``) with
+        the budget; if it is over, plan again for a proportionally smaller budget (at most
+        ``MAX_REPLANS`` times). Default: on for GPUs and TPUs, off on CPUs, whose compiled memory
+        report does not count temporaries.
       **planner_options: ``window_bytes`` (look-ahead in bytes, default 1.5x the budget) and
         ``min_offload_bytes`` (smaller values never move, default 1 MiB).
 
@@ -62,9 +69,13 @@ def ooc_jit(
     unknown = sorted(set(planner_options) - set(PLANNER_OPTIONS))
     if unknown:
         raise TypeError(f"ooc_jit got unknown planner options {unknown}; it accepts {list(PLANNER_OPTIONS)}")
+    device = jax.devices()[0]
+    if check_compiled_peak is None:
+        check_compiled_peak = device.platform != "cpu"
     return OocJitted(
         fun,
-        budget_bytes=resolve_budget(budget, jax.devices()[0]),
+        budget_bytes=resolve_budget(budget, device),
+        check_compiled_peak=check_compiled_peak,
         static_argnums=_as_tuple(static_argnums),
         static_argnames=_as_tuple(static_argnames),
         donate_argnums=_as_tuple(donate_argnums),
@@ -86,9 +97,20 @@ class _Compiled:
 class OocJitted:
     """The result of ``ooc_jit``: call it like the jitted step; ``plan`` and ``lower`` inspect it."""
 
-    def __init__(self, fun, *, budget_bytes, static_argnums, static_argnames, donate_argnums, planner_options):
+    def __init__(
+        self,
+        fun,
+        *,
+        budget_bytes,
+        static_argnums,
+        static_argnames,
+        donate_argnums,
+        planner_options,
+        check_compiled_peak=False,
+    ):
         self.fun = fun
         self.budget_bytes = budget_bytes
+        self.check_compiled_peak = check_compiled_peak
         self.static_argnums, self.static_argnames = _normalise_statics(fun, static_argnums, static_argnames)
         self.donate_argnums = donate_argnums
         self.planner_options = planner_options
@@ -133,17 +155,45 @@ class OocJitted:
         donated = [info.donated for _, info in labelled]
         flat = flatten(traced.jaxpr)
         program = to_program(flat, input_labels=labels, donated=donated)
-        schedule = plan_window(program, self.budget_bytes, **self.planner_options)
         out_tree = jax.tree.structure(traced.out_info)
-        if schedule.moves_nothing:
-            jitted = jax.jit(self.fun, **self._jit_kwargs)
-            plan = Plan.build(program=program, schedule=schedule, jaxpr=traced.jaxpr, source_jaxpr=traced.jaxpr)
-            return _Compiled(plan, jitted, False, out_tree, ("device",) * flat.num_inputs)
-        jitted, input_kinds = _compile_rewritten(flat, schedule, donated)
-        specs = [_spec(aval, kind) for aval, kind in zip(flat.avals, input_kinds)]
-        rewritten = jitted.trace(*specs).jaxpr
-        plan = Plan.build(program=program, schedule=schedule, jaxpr=rewritten, source_jaxpr=traced.jaxpr)
-        return _Compiled(plan, jitted, True, out_tree, input_kinds)
+        planned_for, history = self.budget_bytes, []
+        while True:
+            try:
+                schedule = plan_window(program, planned_for, **self.planner_options)
+            except BudgetInfeasibleError as error:
+                if not history:
+                    raise
+                raise OocError(_over_budget_message(self.budget_bytes, history, error.required_bytes)) from error
+            if schedule.moves_nothing:
+                jitted = jax.jit(self.fun, **self._jit_kwargs)
+                lowered_args, input_kinds = (args, kwargs), ("device",) * flat.num_inputs
+                rewritten = traced.jaxpr
+            else:
+                jitted, input_kinds = _compile_rewritten(flat, schedule, donated)
+                lowered_args = ([_spec(aval, kind) for aval, kind in zip(flat.avals, input_kinds)], {})
+                rewritten = jitted.trace(*lowered_args[0]).jaxpr
+            compiled_peak = None
+            if self.check_compiled_peak:
+                compiled_peak = _compiled_peak_bytes(
+                    jitted.trace(*lowered_args[0], **lowered_args[1]).lower().compile()
+                )
+                history.append((planned_for, compiled_peak))
+                if compiled_peak > self.budget_bytes and len(history) <= MAX_REPLANS:
+                    # XLA's program came out larger than planned (padding, scratch the estimate
+                    # cannot see): plan again for a budget smaller by that factor, with a margin.
+                    planned_for = int(planned_for * self.budget_bytes / compiled_peak * 0.98)
+                    continue
+                if compiled_peak > self.budget_bytes:
+                    raise OocError(_over_budget_message(self.budget_bytes, history, None))
+            plan = Plan.build(
+                program=program,
+                schedule=schedule,
+                jaxpr=rewritten,
+                source_jaxpr=traced.jaxpr,
+                budget_bytes=self.budget_bytes,
+                compiled_peak_bytes=compiled_peak,
+            )
+            return _Compiled(plan, jitted, not schedule.moves_nothing, out_tree, input_kinds)
 
     def _signature(self, args: tuple, kwargs: dict) -> Any:
         statics = tuple(args[i] for i in self.static_argnums if i < len(args))
@@ -168,6 +218,28 @@ class OocJitted:
         names = _parameter_names(self.fun)
         name = names[position] if position < len(names) else f"args[{position}]"
         return f"{name}{jax.tree_util.keystr(rest)}"
+
+
+def _compiled_peak_bytes(compiled: jax.stages.Compiled) -> int:
+    """XLA's own device-memory peak for a compiled step."""
+    stats = compiled.memory_analysis()
+    peak = getattr(stats, "peak_memory_in_bytes", 0)
+    if peak:
+        return int(peak)
+    return int(
+        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    )
+
+
+def _over_budget_message(budget: int, history: list[tuple[int, int]], smallest: int | None) -> str:
+    tries = "; ".join(f"planned for {format_bytes(p)}, compiled to {format_bytes(c)}" for p, c in history)
+    limit = "" if smallest is None else f" (the planner cannot go below {format_bytes(smallest)})"
+    return (
+        f"XLA's compiled step does not fit the budget of {format_bytes(budget)}: {tries}{limit}.\n"
+        "XLA adds memory the plan's estimate cannot see (padding, fusion scratch, its own rematerialisation).\n"
+        "Fixes:\n  1. raise the budget;\n  2. lower min_offload_bytes so that more values may move;\n"
+        "  3. pass check_compiled_peak=False to accept the estimate as the budget's measure."
+    )
 
 
 def _compile_rewritten(flat: FlatProgram, schedule: Schedule, donated: Sequence[bool]) -> tuple[Any, tuple]:

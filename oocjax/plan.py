@@ -64,6 +64,8 @@ class Plan:
       jaxpr: the rewritten step, with its transfers and barriers.
       source_jaxpr: the step as traced.
       program, schedule, timeline, baseline_timeline: the planner's view, for tools and plots.
+      compiled_peak_bytes: XLA's own peak for the compiled step, where it was checked (GPUs).
+        The schedule's ``budget_bytes`` is then the tightened budget it was planned for.
     """
 
     budget_bytes: int
@@ -79,9 +81,19 @@ class Plan:
     schedule: Schedule
     timeline: MemoryTimeline
     baseline_timeline: MemoryTimeline
+    compiled_peak_bytes: int | None = None
 
     @classmethod
-    def build(cls, *, program: Program, schedule: Schedule, jaxpr: Any, source_jaxpr: Any) -> Plan:
+    def build(
+        cls,
+        *,
+        program: Program,
+        schedule: Schedule,
+        jaxpr: Any,
+        source_jaxpr: Any,
+        budget_bytes: int | None = None,
+        compiled_peak_bytes: int | None = None,
+    ) -> Plan:
         timeline = simulate(program, schedule)
         baseline = simulate(program, keep_all(program))
         fetches: dict[int, list[int]] = {}
@@ -105,7 +117,8 @@ class Plan:
             for b in sorted(schedule.host_inputs)
         )
         return cls(
-            budget_bytes=schedule.budget_bytes,
+            budget_bytes=schedule.budget_bytes if budget_bytes is None else budget_bytes,
+            compiled_peak_bytes=compiled_peak_bytes,
             peak_bytes=timeline.peak_bytes,
             baseline_peak_bytes=baseline.peak_bytes,
             host_peak_bytes=timeline.host_peak_bytes,
@@ -177,7 +190,16 @@ class Plan:
             ],
             "buffers": [asdict(buffer) for buffer in self.program.buffers],
         }
-        return json.dumps({"format": "oocjax.plan/1", "program": program, "schedule": schedule}, indent=1)
+        return json.dumps(
+            {
+                "format": "oocjax.plan/1",
+                "budget_bytes": self.budget_bytes,
+                "compiled_peak_bytes": self.compiled_peak_bytes,
+                "program": program,
+                "schedule": schedule,
+            },
+            indent=1,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -201,4 +223,11 @@ class Plan:
             host_outputs=frozenset(saved["host_outputs"]),
             moves=tuple(kinds[kind](**fields) for move in saved["moves"] for kind, fields in move.items()),
         )
-        return cls.build(program=program, schedule=schedule, jaxpr=None, source_jaxpr=None)
+        return cls.build(
+            program=program,
+            schedule=schedule,
+            jaxpr=None,
+            source_jaxpr=None,
+            budget_bytes=data.get("budget_bytes"),
+            compiled_peak_bytes=data.get("compiled_peak_bytes"),
+        )

@@ -30,6 +30,17 @@ def summary(plan: Plan, profile: DeviceProfile | str | None = DEFAULT_PROFILE, *
         ("budget", format_bytes(plan.budget_bytes)),
         ("in-core peak", format_bytes(plan.baseline_peak_bytes)),
         ("planned peak", format_bytes(plan.peak_bytes) + peak_at),
+        *(
+            [
+                (
+                    "compiled peak",
+                    f"{format_bytes(plan.compiled_peak_bytes)} (XLA's memory analysis; planned for "
+                    f"{format_bytes(plan.schedule.budget_bytes)})",
+                )
+            ]
+            if plan.compiled_peak_bytes is not None
+            else []
+        ),
         ("to host", f"{format_bytes(timeline.d2h_bytes)} in {len(plan.offloads)} offloads"),
         ("to device", f"{format_bytes(timeline.h2d_bytes)} in {len(plan.schedule.prefetches)} prefetches"),
         ("host peak", format_bytes(plan.host_peak_bytes)),

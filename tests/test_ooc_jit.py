@@ -225,3 +225,39 @@ def test_the_pretty_jaxpr_marks_every_transfer_with_the_value_it_moves():
     assert "# transfer" not in text  # every device_put matched a planned move
     for offload in plan.offloads:
         assert f"OFFLOAD after equation {offload.offload_after}: {offload.label}" in text
+
+
+# -- the closed loop on the budget -------------------------------------------------------------------
+# On a CPU, XLA's memory report does not count temporaries, so these tests replace it with a stub:
+# a clearly fake "compiled peak" that plays the part of XLA's real report on a GPU.
+
+
+def test_a_compiled_peak_over_the_budget_is_planned_again_for_a_tighter_budget(monkeypatch):
+    budget = tight_step().budget_bytes
+    reports = iter([budget * 6 // 5, budget * 9 // 10])  # STUB: 20% over, then under
+    monkeypatch.setattr(oocjax.api, "_compiled_peak_bytes", lambda compiled: next(reports))
+    step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB, check_compiled_peak=True)
+    plan = step.plan(PARAMS, X)
+    assert plan.budget_bytes == budget and plan.compiled_peak_bytes == budget * 9 // 10
+    assert plan.schedule.budget_bytes == int(budget * budget / (budget * 6 // 5) * 0.98)
+    assert plan.peak_bytes <= plan.schedule.budget_bytes < budget
+    assert "compiled peak" in plan.summary(profile=None)
+    np.testing.assert_allclose(step(PARAMS, X)[1], jax.jit(mlp_step)(PARAMS, X)[1], rtol=1e-6)
+
+
+def test_a_compiled_peak_that_never_fits_raises_with_every_attempt(monkeypatch):
+    budget = tight_step().budget_bytes
+    monkeypatch.setattr(oocjax.api, "_compiled_peak_bytes", lambda compiled: 3 * budget)  # STUB
+    step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB, check_compiled_peak=True)
+    with pytest.raises(OocError, match=r"XLA's compiled step does not fit the budget .* compiled to") as caught:
+        step.plan(PARAMS, X)
+    assert "check_compiled_peak=False" in str(caught.value)
+
+
+def test_the_compiled_peak_is_read_from_xla_memory_analysis():
+    compiled = jax.jit(lambda x: (x * 2).sum()).lower(X).compile()
+    stats = compiled.memory_analysis()
+    expected = getattr(stats, "peak_memory_in_bytes", 0) or (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
+    )
+    assert oocjax.api._compiled_peak_bytes(compiled) == expected > 0

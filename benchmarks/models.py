@@ -1,0 +1,218 @@
+"""The benchmark model suite: Flax + Optax training steps, sized by arguments so that the same code
+serves CPU-sized checks and GPU-sized runs.
+
+Each builder returns a ``Workload``: the step ``(state, batch) -> (state, loss)``, and abstract
+(``jax.ShapeDtypeStruct``) state and batch, so that planning a 20 GiB model allocates nothing. Use
+``Workload.materialise`` for real arrays when the step is to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    step: Callable
+    state: Any  # abstract
+    batch: Any  # abstract
+    init: Callable  # key -> real state
+
+    def materialise(self, seed: int = 0) -> tuple[Any, Any]:
+        """Real arrays: initialised state and a batch of valid values."""
+        state = self.init(jax.random.key(seed))
+        batch = jax.tree.map(_fill, self.batch)
+        return state, batch
+
+
+def _fill(spec: jax.ShapeDtypeStruct) -> jax.Array:
+    if jnp.issubdtype(spec.dtype, jnp.integer):
+        return jnp.zeros(spec.shape, spec.dtype)  # token 0 and class 0 are valid everywhere
+    return jax.random.normal(jax.random.key(1), spec.shape, spec.dtype)
+
+
+def _workload(name, model, optimizer, example_inputs, loss_fn, batch, *, mutable=()) -> Workload:
+    """A step for ``model`` with ``optimizer``; ``loss_fn(model, variables, batch)`` returns
+    (loss, updated mutable collections)."""
+
+    def init(key):
+        variables = model.init(key, *jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), example_inputs))
+        params = variables["params"]
+        extra = {k: v for k, v in variables.items() if k != "params"}
+        return params, extra, optimizer.init(params)
+
+    def step(state, batch):
+        params, extra, opt_state = state
+
+        def objective(p):
+            return loss_fn(model, {"params": p, **extra}, batch)
+
+        (loss, updated), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), {**extra, **updated}, opt_state), loss
+
+    return Workload(name, step, jax.eval_shape(init, jax.random.key(0)), batch, init)
+
+
+# -- MLP --------------------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    width: int
+    depth: int
+    classes: int = 1000
+    dtype: Any = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(self.depth):
+            x = nn.gelu(nn.Dense(self.width, dtype=self.dtype)(x))
+        return nn.Dense(self.classes, dtype=self.dtype)(x)
+
+
+def mlp(width: int = 4096, depth: int = 16, batch: int = 4096) -> Workload:
+    model = MLP(width, depth)
+    data = (jax.ShapeDtypeStruct((batch, width), jnp.bfloat16), jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+    def loss_fn(model, variables, batch):
+        x, y = batch
+        logits = model.apply(variables, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), {}
+
+    return _workload(f"mlp-{depth}x{width}-b{batch}", model, optax.adamw(1e-3), (data[0],), loss_fn, data)
+
+
+# -- ResNet-50-style CNN ----------------------------------------------------------------------------
+
+
+class Bottleneck(nn.Module):
+    features: int
+    strides: int
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        norm = lambda: nn.BatchNorm(use_running_average=False, dtype=self.dtype)  # noqa: E731
+        y = nn.relu(norm()(nn.Conv(self.features, (1, 1), dtype=self.dtype)(x)))
+        y = nn.relu(norm()(nn.Conv(self.features, (3, 3), self.strides, dtype=self.dtype)(y)))
+        y = norm()(nn.Conv(4 * self.features, (1, 1), dtype=self.dtype)(y))
+        if x.shape != y.shape:
+            x = norm()(nn.Conv(4 * self.features, (1, 1), self.strides, dtype=self.dtype)(x))
+        return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+    stages: tuple[int, ...] = (3, 4, 6, 3)
+    width: int = 64
+    classes: int = 1000
+    dtype: Any = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(self.width, (7, 7), 2, dtype=self.dtype)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=False, dtype=self.dtype)(x))
+        x = nn.max_pool(x, (3, 3), (2, 2), padding="SAME")
+        for i, blocks in enumerate(self.stages):
+            for j in range(blocks):
+                x = Bottleneck(self.width * 2**i, 2 if i > 0 and j == 0 else 1, self.dtype)(x)
+        return nn.Dense(self.classes, dtype=self.dtype)(x.mean(axis=(1, 2)))
+
+
+def resnet50(batch: int = 128, image: int = 224, width: int = 64) -> Workload:
+    model = ResNet(width=width)
+    data = (jax.ShapeDtypeStruct((batch, image, image, 3), jnp.bfloat16), jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+    def loss_fn(model, variables, batch):
+        x, y = batch
+        logits, updated = model.apply(variables, x, mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean(), updated
+
+    example = (jax.ShapeDtypeStruct((1, image, image, 3), jnp.bfloat16),)
+    return _workload(
+        f"resnet50-w{width}-b{batch}-{image}px", model, optax.sgd(0.1, momentum=0.9), example, loss_fn, data
+    )
+
+
+# -- GPT-2-style decoder and BERT-style encoder --------------------------------------------------------
+
+
+class TransformerBlock(nn.Module):
+    width: int
+    heads: int
+    causal: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        mask = nn.make_causal_mask(x[..., 0]) if self.causal else None
+        h = nn.LayerNorm(dtype=self.dtype)(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype)(h, h, mask=mask)
+        h = nn.LayerNorm(dtype=self.dtype)(x)
+        return x + nn.Dense(self.width, dtype=self.dtype)(nn.gelu(nn.Dense(4 * self.width, dtype=self.dtype)(h)))
+
+
+class Transformer(nn.Module):
+    layers: int
+    width: int
+    heads: int
+    vocab: int
+    causal: bool
+    dtype: Any = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.width, dtype=self.dtype)(tokens)
+        x = x + self.param("position", nn.initializers.normal(0.02), (tokens.shape[1], self.width))
+        for _ in range(self.layers):
+            x = TransformerBlock(self.width, self.heads, self.causal, self.dtype)(x)
+        return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+
+
+def _language_model(name, model, batch, seq) -> Workload:
+    data = jax.ShapeDtypeStruct((batch, seq + 1), jnp.int32)
+
+    def loss_fn(model, variables, tokens):
+        logits = model.apply(variables, tokens[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean(), {}
+
+    example = (jax.ShapeDtypeStruct((1, seq), jnp.int32),)
+    return _workload(name, model, optax.adamw(3e-4), example, loss_fn, data)
+
+
+def gpt2(layers: int = 12, width: int = 768, heads: int = 12, batch: int = 8, seq: int = 1024) -> Workload:
+    model = Transformer(layers, width, heads, vocab=50257, causal=True)
+    return _language_model(f"gpt2-{layers}x{width}-b{batch}-s{seq}", model, batch, seq)
+
+
+def bert(layers: int = 12, width: int = 768, heads: int = 12, batch: int = 32, seq: int = 512) -> Workload:
+    model = Transformer(layers, width, heads, vocab=30522, causal=False)
+    return _language_model(f"bert-{layers}x{width}-b{batch}-s{seq}", model, batch, seq)
+
+
+def gpu_suite() -> list[Workload]:
+    """Sizes that overflow a 24-80 GiB GPU in-core, the reason oocjax exists."""
+    return [
+        mlp(width=8192, depth=16, batch=8192),
+        resnet50(batch=256),
+        gpt2(layers=12, width=768, batch=16),
+        gpt2(layers=48, width=1024, heads=16, batch=8),
+        bert(layers=24, width=1024, heads=16, batch=32),
+    ]
+
+
+def cpu_suite() -> list[Workload]:
+    """The same architectures, small enough to run on a CPU in seconds."""
+    return [
+        mlp(width=256, depth=4, batch=128),
+        resnet50(batch=2, image=64, width=16),
+        gpt2(layers=2, width=64, heads=4, batch=4, seq=64),
+        bert(layers=2, width=64, heads=4, batch=4, seq=64),
+    ]
