@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import flax.linen as nn
@@ -21,10 +22,18 @@ import optax
 @dataclass(frozen=True)
 class Workload:
     name: str
-    step: Callable
-    state: Any  # abstract
+    make_step: Callable  # remat policy or None -> step
     batch: Any  # abstract
     init: Callable  # key -> real state
+
+    @property
+    def step(self) -> Callable:
+        return self.make_step(None)
+
+    @cached_property
+    def state(self) -> Any:
+        """The abstract state (shapes and dtypes), worked out on first use."""
+        return jax.eval_shape(self.init, jax.random.key(0))
 
     def materialise(self, seed: int = 0) -> tuple[Any, Any]:
         """Real arrays: initialised state and a batch of valid values."""
@@ -49,17 +58,25 @@ def _workload(name, model, optimizer, example_inputs, loss_fn, batch, *, mutable
         extra = {k: v for k, v in variables.items() if k != "params"}
         return params, extra, optimizer.init(params)
 
-    def step(state, batch):
-        params, extra, opt_state = state
+    def make_step(remat_policy=None):
+        """The training step; with a policy, the loss is wrapped in ``jax.checkpoint`` (JAX's own
+        rematerialisation and offload baselines)."""
 
-        def objective(p):
-            return loss_fn(model, {"params": p, **extra}, batch)
+        def step(state, batch):
+            params, extra, opt_state = state
 
-        (loss, updated), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), {**extra, **updated}, opt_state), loss
+            def objective(p):
+                return loss_fn(model, {"params": p, **extra}, batch)
 
-    return Workload(name, step, jax.eval_shape(init, jax.random.key(0)), batch, init)
+            if remat_policy is not None:
+                objective = jax.checkpoint(objective, policy=remat_policy)
+            (loss, updated), grads = jax.value_and_grad(objective, has_aux=True)(params)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return (optax.apply_updates(params, updates), {**extra, **updated}, opt_state), loss
+
+        return step
+
+    return Workload(name, make_step, batch, init)
 
 
 # -- MLP --------------------------------------------------------------------------------------------
@@ -187,13 +204,17 @@ def _language_model(name, model, batch, seq) -> Workload:
     return _workload(name, model, optax.adamw(3e-4), example, loss_fn, data)
 
 
-def gpt2(layers: int = 12, width: int = 768, heads: int = 12, batch: int = 8, seq: int = 1024) -> Workload:
-    model = Transformer(layers, width, heads, vocab=50257, causal=True)
+def gpt2(
+    layers: int = 12, width: int = 768, heads: int = 12, batch: int = 8, seq: int = 1024, vocab: int = 50257
+) -> Workload:
+    model = Transformer(layers, width, heads, vocab=vocab, causal=True)
     return _language_model(f"gpt2-{layers}x{width}-b{batch}-s{seq}", model, batch, seq)
 
 
-def bert(layers: int = 12, width: int = 768, heads: int = 12, batch: int = 32, seq: int = 512) -> Workload:
-    model = Transformer(layers, width, heads, vocab=30522, causal=False)
+def bert(
+    layers: int = 12, width: int = 768, heads: int = 12, batch: int = 32, seq: int = 512, vocab: int = 30522
+) -> Workload:
+    model = Transformer(layers, width, heads, vocab=vocab, causal=False)
     return _language_model(f"bert-{layers}x{width}-b{batch}-s{seq}", model, batch, seq)
 
 
@@ -213,6 +234,6 @@ def cpu_suite() -> list[Workload]:
     return [
         mlp(width=256, depth=4, batch=128),
         resnet50(batch=2, image=64, width=16),
-        gpt2(layers=2, width=64, heads=4, batch=4, seq=64),
-        bert(layers=2, width=64, heads=4, batch=4, seq=64),
+        gpt2(layers=2, width=64, heads=4, batch=4, seq=64, vocab=512),
+        bert(layers=2, width=64, heads=4, batch=4, seq=64, vocab=512),
     ]
