@@ -57,6 +57,16 @@ def test_ooc_jit_trains_like_jax_jit_within_the_budget(name, fraction):
     assert plan.peak_bytes <= budget
     if fraction < 1:
         assert plan.offloads and plan.host_inputs, "a budget this far under the in-core estimate moves both"
+        # One host transfer per offload in the rewritten jaxpr, and one annotation each (plus one per
+        # result returned on host) in the program lowered for a GPU.
+        to_host = [
+            e
+            for e in plan.jaxpr.eqns
+            if e.primitive.name == "device_put" and e.params["devices"] == (jax.memory.Space.Host,)
+        ]
+        assert len(to_host) == len(plan.offloads)
+        cuda = step.lower(case.state, case.batches[0], lowering_platforms=("cuda",)).as_text()
+        assert cuda.count('_xla_buffer_placement = "pinned_host"') == len(plan.offloads) + len(plan.host_outputs)
     else:
         assert not plan.offloads and not plan.host_inputs
 
