@@ -77,18 +77,6 @@ def make_train_step(model, optimizer):
     return train_step
 
 
-def describe(plan) -> str:
-    lines = [repr(plan)]
-    largest = sorted(plan.offloads, key=lambda o: -o.nbytes)[:5]
-    for o in largest:
-        back = "stays on host" if o.prefetch_before is None else f"back before equation {o.prefetch_before}"
-        lines.append(f"  {format_bytes(o.nbytes):>9}  {o.label}: out after equation {o.offload_after}, {back}")
-    if plan.host_inputs:
-        streamed = sum(h.nbytes for h in plan.host_inputs)
-        lines.append(f"  {len(plan.host_inputs)} arguments ({format_bytes(streamed)}) live on host between steps")
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
@@ -110,7 +98,7 @@ def main() -> None:
     step = ooc_jit(train_step, budget=budget, donate_argnums=(0,), min_offload_bytes=256 * 1024)
     plan = step.plan(state, tokens)
     print(f"in-core estimate {format_bytes(in_core)}; budget {format_bytes(budget)}")
-    print(describe(plan))
+    print(plan.summary(profile="h100-pcie", largest=5))
     assert plan.peak_bytes <= budget and plan.offloads, "the budget should force offloading"
 
     batches = (copy_batch(jax.random.fold_in(key, i), args.batch) for i in range(args.steps))
