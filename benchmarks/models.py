@@ -205,10 +205,18 @@ def _language_model(name, model, batch, seq) -> Workload:
 
 
 def gpt2(
-    layers: int = 12, width: int = 768, heads: int = 12, batch: int = 8, seq: int = 1024, vocab: int = 50257
+    layers: int = 12,
+    width: int = 768,
+    heads: int = 12,
+    batch: int = 8,
+    seq: int = 1024,
+    vocab: int = 50257,
+    dtype: Any = jnp.bfloat16,
 ) -> Workload:
-    model = Transformer(layers, width, heads, vocab=vocab, causal=True)
-    return _language_model(f"gpt2-{layers}x{width}-b{batch}-s{seq}", model, batch, seq)
+    """A GPT-2-style decoder; ``dtype`` is the compute dtype (parameters are float32 either way)."""
+    model = Transformer(layers, width, heads, vocab=vocab, causal=True, dtype=dtype)
+    suffix = "" if jnp.dtype(dtype) == jnp.bfloat16 else f"-{jnp.dtype(dtype).name}"
+    return _language_model(f"gpt2-{layers}x{width}-b{batch}-s{seq}{suffix}", model, batch, seq)
 
 
 def bert(

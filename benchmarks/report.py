@@ -73,12 +73,97 @@ def section() -> str:
                 f"{_slowdown(half.get('h100-pcie'))} | {_slowdown(half.get('gh200'))} |"
             )
         lines.append("")
-    gpu = [p for p in sorted(RESULTS.glob("gpu-*.json")) if not json.loads(p.read_text()).get("dry_run")]
-    if gpu:
-        lines.append(f"**Measured on GPUs**: {', '.join(f'`{p.name}`' for p in gpu)}.")
+    found = latest_gpu_check()
+    if found:
+        lines += gpu_check_lines(*found)
     else:
-        lines.append("**Measured on GPUs**: nothing yet; `benchmarks/gpu.py` records it where a GPU is available.")
+        lines.append(
+            "**Measured on GPUs**: nothing yet; `benchmarks/gpu_check.py` records it where a GPU is available."
+        )
     return "\n".join([BEGIN, *lines, END])
+
+
+def latest_gpu_check() -> tuple[str, dict] | None:
+    """The newest ``gpu-*.json`` that ``gpu_check.py`` wrote on a GPU (not a dry run)."""
+    records = [(p.name, json.loads(p.read_text())) for p in RESULTS.glob("gpu-*.json")]
+    records = [
+        (n, r)
+        for n, r in records
+        if r.get("benchmark") == "gpu_check" and not r.get("dry_run") and (r.get("link") or {}).get("platform") != "cpu"
+    ]
+    return max(records, key=lambda nr: (nr[1]["date"], nr[1].get("started", ""), nr[0]), default=None)
+
+
+GPU_ROWS = (  # configuration, how the table names it
+    ("jax_jit", "`jax.jit`"),
+    ("jax_jit_capped", "`jax.jit`"),
+    ("ooc_jit_capped", "`ooc_jit`"),
+    ("remat_nothing_saveable", "`jax.checkpoint`, `nothing_saveable`"),
+    ("remat_offload_dots", '`jax.checkpoint`, `offload_dot_with_no_batch_dims("device", "pinned_host")`'),
+)
+
+
+def gpu_check_lines(name: str, r: dict) -> list[str]:
+    """The README paragraph for one ``gpu_check.py`` record: a sentence, a table, the link."""
+    m, by = r["model"], {c["configuration"]: c for c in r["results"]}
+    versions = r.get("versions", {})
+    lines = [
+        f"**Measured on a GPU** (`{name}`; {r.get('device') or 'unknown device'}, commit {r['commit'] or 'unknown'}, "
+        f"{r['date']}; jax {versions.get('jax', '?')}): one training step of a {m['layers']}-layer, "
+        f"{m['width']}-wide Flax GPT ({m.get('dtype', 'float32')}, AdamW, batch {m['batch']}, seq {m['seq']}), "
+        "each configuration in a fresh process. The memory cap is the allocator's `bytes_limit` under "
+        f"`XLA_PYTHON_CLIENT_MEM_FRACTION={r.get('settings', {}).get('mem_fraction') or 0:.3g}`; "
+        "peaks are `memory_stats()['peak_bytes_in_use']`.",
+        "",
+        "| configuration | memory cap | budget | runtime peak | s/step | vs `jax.jit` | losses vs `jax.jit` |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for configuration, label in GPU_ROWS:
+        c = by.get(configuration)
+        if c is None:
+            continue
+        cap = _gib(c.get("bytes_limit")) if configuration.endswith("_capped") else "none"
+        budget = _gib(c.get("budget_bytes")) if "budget_bytes" in c else "-"
+        if c.get("error"):
+            if c.get("oom"):
+                outcome = "out of memory" + (" (RESOURCE_EXHAUSTED)" if "RESOURCE_EXHAUSTED" in c["error"] else "")
+                outcome = outcome if c.get("expect_oom") else f"**failed**: {outcome}"
+            else:
+                first = next((x for x in c["error"].splitlines() if x.strip()), "")
+                outcome = f"**failed**: {first[:100]}".replace("|", "\\|")
+            lines.append(f"| {label} | {cap} | {budget} | {outcome} | - | - | - |")
+            continue
+        peak = _gib(c.get("runtime_peak_bytes"))
+        if "budget_bytes" in c and c.get("runtime_peak_bytes") is not None:
+            peak += " (within budget)" if c["runtime_peak_bytes"] <= c["budget_bytes"] else " (**over budget**)"
+        if c.get("expect_oom"):
+            peak += "; did not run out of memory"
+        if configuration == "jax_jit":
+            losses = f"reference, {len(c.get('losses', []))} steps"
+        elif "loss_max_abs_diff" in c:
+            losses = "equal" if c["loss_max_abs_diff"] == 0 else f"max difference {c['loss_max_abs_diff']:.2g}"
+        else:
+            losses = "-"
+        ratio = f"{c['vs_jax_jit']:.2f}x" if c.get("vs_jax_jit") else "-"
+        step = f"{c['s_per_step']:.3f}" if c.get("s_per_step") else "-"
+        lines.append(f"| {label} | {cap} | {budget} | {peak} | {step} | {ratio} | {losses} |")
+    link = r.get("link") or {}
+    if link.get("jitted"):
+        eager = ", ".join(
+            f"{size.replace('MiB', ' MiB')} {e['d2h_GB_per_s']:.1f} / {e['h2d_GB_per_s']:.1f}"
+            for size, e in link.get("eager", {}).items()
+        )
+        lines += [
+            "",
+            f"Host link, pinned host memory, GB/s to host / to device: jitted {link['jitted']['bytes'] / 2**30:.3g} "
+            f"GiB copies {link['jitted']['d2h_GB_per_s']:.1f} / {link['jitted']['h2d_GB_per_s']:.1f}"
+            + (f"; eager `jax.device_put` {eager}." if eager else "."),
+        ]
+    return lines
+
+
+def _gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f} GiB"
 
 
 def _largest_ratio(model: dict, strategy: str, profile: str, within: float) -> float | None:

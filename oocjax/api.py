@@ -4,9 +4,13 @@ Data flow, per argument signature (cached, so a second call with the same shapes
 nor plans again):
 
   trace (``jax.jit(fun).trace``) -> analyse (``transforms.analyse``: flatten, size, label)
-    -> plan (``schedule.plan_window``) -> rewrite (``transforms.rewrite``: transfers and barriers)
-    -> compile (``jax.jit`` of the rewritten step, host-resident arguments and results in pinned
-       host memory).
+    -> plan (``schedule.plan_window``) -> segment (``schedule.cut_segments``, then
+       ``transforms.segment``: one jitted program per segment, the chain as a jaxpr)
+    -> execute (``transforms.execute``: compile each distinct segment once, run the chain with
+       real transfers and waits).
+
+The compiled segments' own memory reports close the loop: when the chain's executed peak is over
+the budget, the step is planned again for a proportionally smaller one.
 """
 
 from __future__ import annotations
@@ -21,12 +25,18 @@ import jax
 from oocjax.budget import resolve_budget
 from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.plan import Plan
-from oocjax.schedule import Schedule, format_bytes, plan_window
-from oocjax.transforms.analyse import FlatProgram, flatten, to_program
-from oocjax.transforms.rewrite import rewritten_step
+from oocjax.schedule import Program, format_bytes, plan_window, required_bytes
+from oocjax.schedule.segments import Segment, SegmentCost, cut_segments, executed_peak, with_measured_scratch
+from oocjax.transforms.analyse import flatten, to_program
+from oocjax.transforms.execute import ChainExecutor, compile_segments, segment_specs
+from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
 
-PLANNER_OPTIONS = ("window_bytes", "min_offload_bytes")
-MAX_REPLANS = 4  # closed loop on the budget: re-plans after XLA's compiled peak came out too large
+PLANNER_OPTIONS = ("window_bytes", "min_offload_bytes", "min_segment_flops", "min_segments")
+MiB = 2**20
+MAX_REPLANS = 4  # closed loop on the budget: re-plans after the compiled segments came out too large
+# A segment launch costs tens of microseconds of Python and runtime work: below this much work a
+# segment is merged with the next one where memory allows (about a millisecond of work).
+DEFAULT_MIN_SEGMENT_FLOPS = {"cpu": 10**8, "gpu": 4 * 10**11, "cuda": 4 * 10**11, "rocm": 4 * 10**11}
 
 
 def ooc_jit(
@@ -36,13 +46,12 @@ def ooc_jit(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     donate_argnums: int | Sequence[int] = (),
-    check_compiled_peak: bool | None = None,
     **planner_options: Any,
 ) -> OocJitted:
-    """Like ``jax.jit(fun)``, but the compiled step keeps device memory within ``budget``.
+    """Like ``jax.jit(fun)``, but the step keeps device memory within ``budget``.
 
-    Trace the whole (already differentiated) training step: transfers are inserted into the
-    step's jaxpr, never into a function that is differentiated afterwards.
+    Trace the whole (already differentiated) training step: the step is planned, cut into
+    separately compiled segments, and run with transfers to and from host memory between them.
 
     Args:
       fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``.
@@ -50,13 +59,13 @@ def ooc_jit(
         ``"1.5GB"``, ``"12GiB"``), or a fraction of the device's memory (``0.8`` or ``"80%"``)
         where the device reports its size.
       static_argnums, static_argnames, donate_argnums: as for ``jax.jit``. Donate the training
-        state so that state kept in host memory stays there across steps without extra copies.
-      check_compiled_peak: compile each plan and compare XLA's own peak (``memory_analysis``) with
-        the budget; if it is over, plan again for a proportionally smaller budget (at most
-        ``MAX_REPLANS`` times). Default: on for GPUs and TPUs, off on CPUs, whose compiled memory
-        report does not count temporaries.
-      **planner_options: ``window_bytes`` (look-ahead in bytes, default 1.5x the budget) and
-        ``min_offload_bytes`` (smaller values never move, default 1 MiB).
+        state: its device memory is then reused during the step, and state kept in host memory
+        comes back there, ready for the next step.
+      **planner_options: ``window_bytes`` (look-ahead in bytes, default 1.5x the budget),
+        ``min_offload_bytes`` (smaller values never move, default 1 MiB), ``min_segment_flops``
+        (smaller segments are merged where memory allows; default about a millisecond of work on
+        the device) and ``min_segments`` (cut into at least this many segments even when nothing
+        moves; for measuring the executor's overhead).
 
     Returns:
       A callable with ``plan(...)`` and ``lower(...)`` methods.
@@ -70,12 +79,10 @@ def ooc_jit(
     if unknown:
         raise TypeError(f"ooc_jit got unknown planner options {unknown}; it accepts {list(PLANNER_OPTIONS)}")
     device = jax.devices()[0]
-    if check_compiled_peak is None:
-        check_compiled_peak = device.platform != "cpu"
+    planner_options.setdefault("min_segment_flops", DEFAULT_MIN_SEGMENT_FLOPS.get(device.platform, 10**11))
     return OocJitted(
         fun,
         budget_bytes=resolve_budget(budget, device),
-        check_compiled_peak=check_compiled_peak,
         static_argnums=_as_tuple(static_argnums),
         static_argnames=_as_tuple(static_argnames),
         donate_argnums=_as_tuple(donate_argnums),
@@ -88,29 +95,20 @@ class _Compiled:
     """Everything one argument signature needs at call time."""
 
     plan: Plan
-    jitted: Callable  # over flat dynamic arguments, or the user's own signature when nothing moves
+    run: Callable  # the chain executor over flat dynamic arguments, or jax.jit(fun) when nothing moves
     flat_call: bool
     out_tree: Any
     input_kinds: tuple[str, ...]  # memory kind each flat argument must arrive in
+    donated: tuple[bool, ...] = ()  # per flat argument
+    segment_functions: tuple[Callable, ...] = ()
 
 
 class OocJitted:
     """The result of ``ooc_jit``: call it like the jitted step; ``plan`` and ``lower`` inspect it."""
 
-    def __init__(
-        self,
-        fun,
-        *,
-        budget_bytes,
-        static_argnums,
-        static_argnames,
-        donate_argnums,
-        planner_options,
-        check_compiled_peak=False,
-    ):
+    def __init__(self, fun, *, budget_bytes, static_argnums, static_argnames, donate_argnums, planner_options):
         self.fun = fun
         self.budget_bytes = budget_bytes
-        self.check_compiled_peak = check_compiled_peak
         self.static_argnums, self.static_argnames = _normalise_statics(fun, static_argnums, static_argnames)
         self.donate_argnums = donate_argnums
         self.planner_options = planner_options
@@ -122,23 +120,35 @@ class OocJitted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         entry = self._entry(args, kwargs)
         if not entry.flat_call:
-            return entry.jitted(*args, **kwargs)
-        leaves = [_to_memory(x, kind) for x, kind in zip(self._dynamic_leaves(args, kwargs), entry.input_kinds)]
-        return jax.tree.unflatten(entry.out_tree, entry.jitted(*leaves))
+            return entry.run(*self._on_device(args), **self._on_device(kwargs))
+        leaves = self._dynamic_leaves(args, kwargs)
+        moved = [_to_memory(x, kind) for x, kind in zip(leaves, entry.input_kinds)]
+        for original, leaf, donated in zip(leaves, moved, entry.donated):
+            if donated and leaf is not original and isinstance(original, jax.Array):
+                original.delete()  # as jax.jit does with a donated argument; the copy keeps its own buffer
+        del leaves, original, leaf
+        # The executor takes the list over and empties it: an argument copy it drops is then freed.
+        return jax.tree.unflatten(entry.out_tree, entry.run(moved))
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``s), without running the step."""
+        """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``s), without running the step.
+        Its segments are compiled (once per signature, as a call would): their memory is measured."""
         return self._entry(args, kwargs).plan
 
-    def lower(self, *args: Any, lowering_platforms: Sequence[str] | None = None, **kwargs: Any) -> jax.stages.Lowered:
-        """Lowers the rewritten step, e.g. ``lowering_platforms=("cuda",)`` to read the GPU program on a
-        CPU-only machine. When anything moves, the lowered program takes the flattened dynamic
-        arguments (``jax.tree.leaves`` of the non-static arguments), in order."""
+    def lower(
+        self, *args: Any, lowering_platforms: Sequence[str] | None = None, **kwargs: Any
+    ) -> jax.stages.Lowered | tuple[jax.stages.Lowered, ...]:
+        """Lowers the step, e.g. ``lowering_platforms=("cuda",)`` to read the GPU program on a
+        CPU-only machine: ``jax.jit``'s one program when nothing moves, else one lowered program
+        per segment, in execution order (transfers run between them)."""
         entry = self._entry(args, kwargs)
         if not entry.flat_call:
-            return entry.jitted.trace(*args, **kwargs).lower(lowering_platforms=lowering_platforms)
-        specs = [_spec(x, kind) for x, kind in zip(self._dynamic_leaves(args, kwargs), entry.input_kinds)]
-        return entry.jitted.trace(*specs).lower(lowering_platforms=lowering_platforms)
+            specs = self._specs(args, kwargs)
+            return entry.run.trace(*specs[0], **specs[1]).lower(lowering_platforms=lowering_platforms)
+        return tuple(
+            function.trace(*specs).lower(lowering_platforms=lowering_platforms)
+            for function, specs in zip(entry.segment_functions, segment_specs(entry.plan.jaxpr))
+        )
 
     # -- per-signature work -------------------------------------------------------------------
 
@@ -149,51 +159,74 @@ class OocJitted:
         return self._cache[key]
 
     def _build(self, args: tuple, kwargs: dict) -> _Compiled:
-        traced = jax.jit(self.fun, **self._jit_kwargs).trace(*args, **kwargs)
+        spec_args, spec_kwargs = self._specs(args, kwargs)
+        traced = jax.jit(self.fun, **self._jit_kwargs).trace(*spec_args, **spec_kwargs)
         labelled = jax.tree_util.tree_flatten_with_path(traced.args_info)[0]
         labels = [self._argument_label(path, args) for path, _ in labelled]
         donated = [info.donated for _, info in labelled]
         flat = flatten(traced.jaxpr)
         program = to_program(flat, input_labels=labels, donated=donated)
         out_tree = jax.tree.structure(traced.out_info)
-        planned_for, history = self.budget_bytes, []
+        options = dict(self.planner_options)
+        min_segment_flops, min_segments = options.pop("min_segment_flops"), options.pop("min_segments", 1)
+        planned_for, history, worst_text = self.budget_bytes, [], ""  # the budget stays; the program learns
         while True:
             try:
-                schedule = plan_window(program, planned_for, **self.planner_options)
+                schedule = plan_window(program, planned_for, **options)
             except BudgetInfeasibleError as error:
                 if not history:
                     raise
-                raise OocError(_over_budget_message(self.budget_bytes, history, error.required_bytes)) from error
-            if schedule.moves_nothing:
-                jitted = jax.jit(self.fun, **self._jit_kwargs)
-                lowered_args, input_kinds = (args, kwargs), ("device",) * flat.num_inputs
-                rewritten = traced.jaxpr
-            else:
-                jitted, input_kinds = _compile_rewritten(flat, schedule, donated)
-                lowered_args = ([_spec(aval, kind) for aval, kind in zip(flat.avals, input_kinds)], {})
-                rewritten = jitted.trace(*lowered_args[0]).jaxpr
-            compiled_peak = None
-            if self.check_compiled_peak:
-                compiled_peak = _compiled_peak_bytes(
-                    jitted.trace(*lowered_args[0], **lowered_args[1]).lower().compile()
+                raise OocError(
+                    _over_budget_message(self.budget_bytes, history, error.required_bytes) + worst_text
+                ) from error
+            if schedule.moves_nothing and min_segments <= 1:
+                plan = Plan.build(
+                    program=program,
+                    schedule=schedule,
+                    jaxpr=traced.jaxpr,
+                    source_jaxpr=traced.jaxpr,
+                    input_kinds=("device",) * flat.num_inputs,
                 )
-                history.append((planned_for, compiled_peak))
-                if compiled_peak > self.budget_bytes and len(history) <= MAX_REPLANS:
-                    # XLA's program came out larger than planned (padding, scratch the estimate
-                    # cannot see): plan again for a budget smaller by that factor, with a margin.
-                    planned_for = int(planned_for * self.budget_bytes / compiled_peak * 0.98)
-                    continue
-                if compiled_peak > self.budget_bytes:
-                    raise OocError(_over_budget_message(self.budget_bytes, history, None))
-            plan = Plan.build(
-                program=program,
-                schedule=schedule,
-                jaxpr=rewritten,
-                source_jaxpr=traced.jaxpr,
-                budget_bytes=self.budget_bytes,
-                compiled_peak_bytes=compiled_peak,
+                jitted = jax.jit(self.fun, **self._jit_kwargs)
+                return _Compiled(plan, jitted, False, out_tree, ("device",) * flat.num_inputs)
+            segments = cut_segments(
+                program,
+                schedule,
+                budget_bytes=planned_for,
+                min_segment_flops=min_segment_flops,
+                min_segments=min_segments,
             )
-            return _Compiled(plan, jitted, not schedule.moves_nothing, out_tree, input_kinds)
+            input_kinds = tuple(
+                "pinned_host" if b in schedule.host_inputs else "device" for b in range(flat.num_inputs)
+            )
+            functions = segment_functions(flat, segments)
+            chain = chain_jaxpr(chain_function(flat, schedule, segments, functions), flat, input_kinds)
+            programs, costs = compile_segments(chain, functions)
+            peak, worst = executed_peak(segments, costs)
+            history.append((planned_for, peak))
+            if peak <= self.budget_bytes:
+                break
+            worst_text = _worst_segment(program, segments[worst], costs[worst])
+            if len(history) > MAX_REPLANS:
+                smallest = max(required_bytes(program, options.get("min_offload_bytes", MiB)))
+                raise OocError(_over_budget_message(self.budget_bytes, history, smallest) + worst_text)
+            # Some compiled segments came out larger than estimated (XLA's scratch, padding): plan
+            # again with that excess as scratch of their steps, so that less is held around them.
+            program = with_measured_scratch(program, segments, costs, self.budget_bytes)
+        plan = Plan.build(
+            program=program,
+            schedule=schedule,
+            jaxpr=chain,
+            source_jaxpr=traced.jaxpr,
+            budget_bytes=self.budget_bytes,
+            segments=segments,
+            segment_costs=tuple(costs),
+            executed_peak_bytes=peak,
+            attempts=tuple(measured for _, measured in history),
+            input_kinds=input_kinds,
+        )
+        executor = ChainExecutor(chain, programs, costs, self.budget_bytes)
+        return _Compiled(plan, executor, True, out_tree, input_kinds, tuple(donated), tuple(functions))
 
     def _signature(self, args: tuple, kwargs: dict) -> Any:
         statics = tuple(args[i] for i in self.static_argnums if i < len(args))
@@ -208,6 +241,21 @@ class OocJitted:
     def _dynamic_leaves(self, args: tuple, kwargs: dict) -> list:
         return jax.tree.leaves(self._dynamic(args, kwargs))
 
+    def _map_dynamic(self, f: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args = tuple(a if i in self.static_argnums else jax.tree.map(f, a) for i, a in enumerate(args))
+        return args, {k: v if k in self.static_argnames else jax.tree.map(f, v) for k, v in kwargs.items()}
+
+    def _specs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Abstract arguments on the device, whatever memory the real ones are in: a step traces the
+        same for state kept on host as for state on the device."""
+        return self._map_dynamic(lambda x: _spec(x, "device"), args, kwargs)
+
+    def _on_device(self, tree: Any) -> Any:
+        """Arguments in host memory (state a plan kept there) moved to the device for ``jax.jit``."""
+        if isinstance(tree, dict):
+            return self._map_dynamic(_device_if_on_host, (), tree)[1]
+        return self._map_dynamic(_device_if_on_host, tree, {})[0]
+
     def _argument_label(self, path: tuple, args: tuple) -> str:
         """``state['params']['w']`` for a leaf of the first argument named ``state``."""
         group, first, rest = path[0], path[1], path[2:]
@@ -220,45 +268,31 @@ class OocJitted:
         return f"{name}{jax.tree_util.keystr(rest)}"
 
 
-def _compiled_peak_bytes(compiled: jax.stages.Compiled) -> int:
-    """XLA's own device-memory peak for a compiled step."""
-    stats = compiled.memory_analysis()
-    peak = getattr(stats, "peak_memory_in_bytes", 0)
-    if peak:
-        return int(peak)
-    return int(
-        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
-    )
-
-
 def _over_budget_message(budget: int, history: list[tuple[int, int]], smallest: int | None) -> str:
-    tries = "; ".join(f"planned for {format_bytes(p)}, compiled to {format_bytes(c)}" for p, c in history)
+    tries = "; ".join(f"planned for {format_bytes(p)}, measured {format_bytes(c)}" for p, c in history)
     limit = "" if smallest is None else f" (the planner cannot go below {format_bytes(smallest)})"
     return (
-        f"XLA's compiled step does not fit the budget of {format_bytes(budget)}: {tries}{limit}.\n"
+        f"the compiled segments of the step do not fit the budget of {format_bytes(budget)}: {tries}{limit}.\n"
         "XLA adds memory the plan's estimate cannot see (padding, fusion scratch, its own rematerialisation).\n"
-        "Fixes:\n  1. raise the budget;\n  2. lower min_offload_bytes so that more values may move;\n"
-        "  3. pass check_compiled_peak=False to accept the estimate as the budget's measure."
+        "Fixes:\n  1. raise the budget;\n  2. lower min_offload_bytes so that more values may move."
     )
 
 
-def _compile_rewritten(flat: FlatProgram, schedule: Schedule, donated: Sequence[bool]) -> tuple[Any, tuple]:
-    input_kinds = tuple("pinned_host" if b in schedule.host_inputs else "device" for b in range(flat.num_inputs))
-    output_kinds = tuple(
-        "pinned_host" if isinstance(r, int) and r in schedule.host_outputs else "device" for r in flat.outputs
+def _worst_segment(program: Program, segment: Segment, cost: SegmentCost) -> str:
+    lines = list(dict.fromkeys(s.label for s in program.steps[segment.start : segment.stop] if s.label))
+    shown = ", ".join(lines[:5]) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
+    return (
+        f"\nThe largest segment runs equations {segment.start}..{segment.stop - 1} ({shown or 'no source lines'}): "
+        f"it holds {format_bytes(segment.held_bytes)} when launched and its program allocates "
+        f"{format_bytes(cost.launch_bytes)} more (scratch {format_bytes(cost.temp_bytes)}), "
+        f"{format_bytes(segment.held_bytes + cost.launch_bytes)} in all."
     )
-    # Every argument and result gets an explicit sharding: left unspecified, an uncommitted first
-    # argument and a committed second one would compile the step twice.
-    # Donation across memory kinds is not honoured (and aborts the process on jax 0.10.2): donate
-    # only arguments that stay on the device.
-    donate = tuple(b for b in range(flat.num_inputs) if donated[b] and b not in schedule.host_inputs)
-    jitted = jax.jit(
-        rewritten_step(flat, schedule),
-        in_shardings=tuple(map(_sharding, input_kinds)),
-        out_shardings=tuple(map(_sharding, output_kinds)),
-        donate_argnums=donate,
-    )
-    return jitted, input_kinds
+
+
+def _device_if_on_host(x: Any) -> Any:
+    if getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host":
+        return jax.device_put(x, _sharding("device"))
+    return x
 
 
 def _sharding(kind: str) -> jax.sharding.Sharding:

@@ -19,6 +19,7 @@ from oocjax.schedule import (
     simulate,
 )
 from oocjax.schedule.cost import DeviceProfile
+from oocjax.schedule.segments import Segment, SegmentCost
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,11 +62,23 @@ class Plan:
       offloads: one entry per value copied to host during the step, in plan order.
       host_inputs: arguments kept on host between steps.
       host_outputs: labels of results returned in host memory.
-      jaxpr: the rewritten step, with its transfers and barriers.
+      jaxpr: the step as it runs: segment calls (``jit`` equations named ``segment_<i>``, each
+        holding its part of the step) with the transfers and waits between them, in execution
+        order; the traced step itself when nothing moves.
       source_jaxpr: the step as traced.
       program, schedule, timeline, baseline_timeline: the planner's view, for tools and plots.
-      compiled_peak_bytes: XLA's own peak for the compiled step, where it was checked (GPUs).
-        The schedule's ``budget_bytes`` is then the tightened budget it was planned for.
+      segments: the compiled programs the step runs as, in order (empty when nothing moves: then
+        the step is ``jax.jit``'s own program).
+      segment_costs: per segment, its compiled program's own memory (``memory_analysis``).
+      executed_peak_bytes: the chain's device peak from those measurements: per segment, what the
+        executor holds when it launches it plus what its program allocates. None when nothing moves.
+        The schedule's ``budget_bytes`` is the budget it was planned for, smaller than
+        ``budget_bytes`` where a first plan measured over it.
+      input_kinds: the memory kind (``"device"`` or ``"pinned_host"``) each argument leaf
+        (``jax.tree.leaves`` of the non-static arguments) is kept in between steps; an argument
+        given in the other one is moved first.
+      attempts: the executed peak measured for each plan made, in order: more than one where a
+        chain measured over the budget was planned again with its segments' real scratch.
     """
 
     budget_bytes: int
@@ -81,7 +94,11 @@ class Plan:
     schedule: Schedule
     timeline: MemoryTimeline
     baseline_timeline: MemoryTimeline
-    compiled_peak_bytes: int | None = None
+    segments: tuple[Segment, ...] = ()
+    segment_costs: tuple[SegmentCost, ...] = ()
+    executed_peak_bytes: int | None = None
+    attempts: tuple[int, ...] = ()
+    input_kinds: tuple[str, ...] = ()
 
     @classmethod
     def build(
@@ -92,7 +109,11 @@ class Plan:
         jaxpr: Any,
         source_jaxpr: Any,
         budget_bytes: int | None = None,
-        compiled_peak_bytes: int | None = None,
+        segments: tuple[Segment, ...] = (),
+        segment_costs: tuple[SegmentCost, ...] = (),
+        executed_peak_bytes: int | None = None,
+        attempts: tuple[int, ...] = (),
+        input_kinds: tuple[str, ...] = (),
     ) -> Plan:
         timeline = simulate(program, schedule)
         baseline = simulate(program, keep_all(program))
@@ -118,7 +139,11 @@ class Plan:
         )
         return cls(
             budget_bytes=schedule.budget_bytes if budget_bytes is None else budget_bytes,
-            compiled_peak_bytes=compiled_peak_bytes,
+            segments=segments,
+            segment_costs=segment_costs,
+            executed_peak_bytes=executed_peak_bytes,
+            attempts=attempts,
+            input_kinds=input_kinds,
             peak_bytes=timeline.peak_bytes,
             baseline_peak_bytes=baseline.peak_bytes,
             host_peak_bytes=timeline.host_peak_bytes,
@@ -139,10 +164,11 @@ class Plan:
         return self.timeline.h2d_bytes + self.timeline.d2h_bytes
 
     def __repr__(self) -> str:
+        executed = "" if self.executed_peak_bytes is None else f", executed {format_bytes(self.executed_peak_bytes)}"
         return (
-            f"Plan(peak={format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}, "
-            f"in-core {format_bytes(self.baseline_peak_bytes)}, {len(self.offloads)} offloads, "
-            f"{format_bytes(self.moved_bytes)} moved)"
+            f"Plan(peak={format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}{executed}, "
+            f"in-core {format_bytes(self.baseline_peak_bytes)}, {len(self.segments)} segments, "
+            f"{len(self.offloads)} offloads, {format_bytes(self.moved_bytes)} moved)"
         )
 
     # -- views (oocjax.render, oocjax.plotting) ------------------------------------------------
@@ -163,11 +189,12 @@ class Plan:
 
         return plotting.plot(self, ax=ax, profile=profile)
 
-    def pretty_jaxpr(self) -> str:
-        """The rewritten jaxpr with transfers and barriers marked and moved values labelled."""
+    def pretty_jaxpr(self, *, full: bool = False) -> str:
+        """The step as it runs: segments in order, with the transfers and waits between them and
+        what moves (label and size); ``full=True`` appends the chain's whole jaxpr."""
         from oocjax import render
 
-        return render.pretty_jaxpr(self)
+        return render.pretty_jaxpr(self, full=full)
 
     def _repr_html_(self) -> str:
         from oocjax import render
@@ -194,7 +221,7 @@ class Plan:
             {
                 "format": "oocjax.plan/1",
                 "budget_bytes": self.budget_bytes,
-                "compiled_peak_bytes": self.compiled_peak_bytes,
+                "executed_peak_bytes": self.executed_peak_bytes,
                 "program": program,
                 "schedule": schedule,
             },
@@ -229,5 +256,5 @@ class Plan:
             jaxpr=None,
             source_jaxpr=None,
             budget_bytes=data.get("budget_bytes"),
-            compiled_peak_bytes=data.get("compiled_peak_bytes"),
+            executed_peak_bytes=data.get("executed_peak_bytes"),
         )

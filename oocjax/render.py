@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from oocjax.schedule import Offload, Prefetch, format_bytes
+from oocjax.schedule import Offload, format_bytes
 from oocjax.schedule.cost import PROFILES, DeviceProfile, simulate_time
 
 if TYPE_CHECKING:
@@ -33,12 +33,12 @@ def summary(plan: Plan, profile: DeviceProfile | str | None = DEFAULT_PROFILE, *
         *(
             [
                 (
-                    "compiled peak",
-                    f"{format_bytes(plan.compiled_peak_bytes)} (XLA's memory analysis; planned for "
-                    f"{format_bytes(plan.schedule.budget_bytes)})",
+                    "executed peak",
+                    f"{format_bytes(plan.executed_peak_bytes)} in {_count(len(plan.segments), 'segment')} "
+                    f"(measured from the compiled segments; planned for {format_bytes(plan.schedule.budget_bytes)})",
                 )
             ]
-            if plan.compiled_peak_bytes is not None
+            if plan.executed_peak_bytes is not None
             else []
         ),
         ("to host", f"{format_bytes(timeline.d2h_bytes)} in {len(plan.offloads)} offloads"),
@@ -167,36 +167,37 @@ def html_view(plan: Plan) -> str:
 # -- the rewritten jaxpr, annotated ----------------------------------------------------------------
 
 
-def pretty_jaxpr(plan: Plan) -> str:
-    """The rewritten jaxpr as jax prints it, with every transfer and barrier the rewrite inserted
-    marked at the end of its equation, and each moved value labelled with where it came from."""
+def pretty_jaxpr(plan: Plan, *, full: bool = False) -> str:
+    """The step as it runs, in order: each segment with the transfers and waits around it, what
+    moves and where it comes from. ``full=True`` appends the chain's jaxpr as jax prints it (each
+    segment call holds its part of the step)."""
     if plan.jaxpr is None:
         raise ValueError("this plan has no jaxpr (it was loaded from JSON); plan the step again to see it")
-    moves = iter(plan.schedule.moves)
-    label = [b.label for b in plan.program.buffers]
-    lines = str(plan.jaxpr).splitlines()
-    out: list[str] = []
-    block: list[str] = []  # a top-level device_put equation, which jax prints over several lines
-    for line in lines:
-        if block or _is_top_level(line, "device_put["):
-            block.append(line)
-            if line.startswith("    ]"):
-                out += [*block[:-1], f"{line}    # {_transfer_note(' '.join(block), next(moves, None), label)}"]
-                block = []
-        elif _is_top_level(line, "optimization_barrier"):
-            out.append(f"{line}    # ||| barrier: pins a transfer to this point")
-        else:
-            out.append(line)
-    return "\n".join(out)
+    if not plan.segments:
+        lines = ["one program: jax.jit's own (nothing moves)"]
+    else:
+        lines = _chain_lines(plan)
+    if full:
+        lines += ["", str(plan.jaxpr)]
+    return "\n".join(lines)
 
 
-def _is_top_level(line: str, primitive: str) -> bool:
-    return line.startswith("    ") and not line.startswith("     ") and f"= {primitive}" in line
+def _chain_lines(plan: Plan) -> list[str]:
+    buffers, steps = plan.program.buffers, plan.program.steps
 
+    def value(b: int) -> str:
+        return f"{buffers[b].label} ({format_bytes(buffers[b].nbytes)})"
 
-def _transfer_note(block: str, move: Offload | Prefetch | None, label: list[str]) -> str:
-    if "MemorySpace.Host" in block and isinstance(move, Offload):
-        return f"<<< OFFLOAD after equation {move.after_step}: {label[move.buffer]}"
-    if "MemorySpace.Device" in block and isinstance(move, Prefetch):
-        return f">>> PREFETCH at equation {move.issue_step} for {move.use_step}: {label[move.buffer]}"
-    return "transfer"
+    lines = []
+    costs = plan.segment_costs or (None,) * len(plan.segments)
+    for i, (segment, cost) in enumerate(zip(plan.segments, costs)):
+        lines += [f"  wait  {value(b)}: its offload must be done, its device memory is needed" for b in segment.waits]
+        lines += [f"  >>>   prefetch {value(b)}" for b in segment.prefetches]
+        where = list(dict.fromkeys(s.label for s in steps[segment.start : segment.stop] if s.label))
+        measured = "" if cost is None else f", scratch {format_bytes(cost.temp_bytes)}"
+        lines.append(
+            f"segment {i}: equations {segment.start}..{segment.stop - 1}, holds {format_bytes(segment.held_bytes)} "
+            f"at launch{measured}" + (f"  [{', '.join(where[:3])}{', ...' if len(where) > 3 else ''}]" if where else "")
+        )
+        lines += [f"  <<<   offload {value(b)}" for b in segment.offloads]
+    return lines

@@ -36,32 +36,89 @@ def test_the_simulated_benchmark_fills_every_cell_for_a_model():
     assert all(c["fits"] == (c["fraction"] == 1) for c in result["cells"] if c["strategy"] == "keep_all")
 
 
-@pytest.mark.slow
-def test_the_gpu_harness_dry_run_plans_lowers_compiles_and_runs(tmp_path):
+def test_the_gpu_check_dry_run_runs_every_configuration_with_equal_losses(tmp_path):
+    from benchmarks import gpu_check, report
+
     out = tmp_path / "gpu-dry.json"
-    command = [
-        sys.executable,
-        "benchmarks/gpu.py",
-        "--dry-run",
-        "--models",
-        "mlp",
-        "--fractions",
-        "0.5",
-        "--steps",
-        "1",
-        "--out",
-        str(out),
-    ]
+    command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     record = json.loads(out.read_text())
-    probe, *runs = record["results"]
-    assert probe["h2d_GB_per_s"] > 0 and probe["d2h_GB_per_s"] > 0
-    assert {r["strategy"] for r in runs} == {"jax_jit", "ooc_jit", "remat_nothing_saveable", "remat_offload_dots"}
-    by = {r["strategy"]: r for r in runs}
-    assert by["ooc_jit"]["cuda_structure_ok"] and by["ooc_jit"]["offloads"] > 0
-    assert by["ooc_jit"]["planned_peak_bytes"] <= by["ooc_jit"]["budget_bytes"]
-    assert by["remat_offload_dots"]["cuda_pinned_host_annotations"] > 0
-    assert by["jax_jit"]["cuda_pinned_host_annotations"] == 0
-    assert len({round(r["loss"], 4) for r in runs}) == 1  # every strategy computes the same first steps
-    assert all(r["compiled"]["argument_size_in_bytes"] > 0 and r["steps_per_s"] > 0 for r in runs)
+    assert record["benchmark"] == "gpu_check" and record["dry_run"] and record["summary"]["failures"] == []
+    assert record["commit"] and record["date"] and {"jax", "jaxlib", "flax", "optax"} <= set(record["versions"])
+    assert record["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+
+    link = record["link"]
+    assert "error" not in link
+    assert link["jitted"]["d2h_GB_per_s"] > 0 and link["jitted"]["h2d_GB_per_s"] > 0
+    assert len(link["eager"]) == 2
+    assert all(e["d2h_GB_per_s"] > 0 and e["h2d_GB_per_s"] > 0 for e in link["eager"].values())
+
+    by = {r["configuration"]: r for r in record["results"]}
+    assert list(by) == list(gpu_check.CONFIGURATIONS)  # every configuration ran, in its own process
+    reference = by["jax_jit"]["losses"]
+    for r in by.values():
+        assert "error" not in r, r
+        assert r["device"] and r["process_s"] > 0 and r["s_per_step"] > 0 and all(t > 0 for t in r["step_s"])
+        assert len(r["losses"]) == record["settings"]["loss_steps"] and r["finite"]
+        assert r["losses"] == pytest.approx(reference, rel=1e-5)  # every strategy computes the same steps
+        if r["platform"] == "cpu":  # a CPU has no memory_stats(): no cap, no runtime peak
+            assert r["bytes_limit"] is None and r["runtime_peak_bytes"] is None
+        else:
+            assert r["runtime_peak_bytes"] > 0 and r["bytes_limit"] > 0
+
+    ooc = by["ooc_jit_capped"]
+    assert ooc["budget_bytes"] == int(0.5 * ooc["in_core_estimate_bytes"])
+    assert 0 < ooc["planned_peak_bytes"] <= ooc["budget_bytes"] and ooc["offloads"] > 0
+    assert ooc["executed_peak_bytes"] is None or ooc["executed_peak_bytes"] <= ooc["budget_bytes"]
+    assert all(by[name]["compiled"]["argument_size_in_bytes"] > 0 for name in by if name != "ooc_jit_capped")
+
+    table = report.gpu_check_lines(out.name, record)
+    assert sum(line.startswith("| `") for line in table) == len(gpu_check.CONFIGURATIONS)
+
+
+def test_the_gpu_check_fails_when_ooc_jit_goes_over_budget_and_the_readme_says_so():
+    from benchmarks import gpu_check, report
+
+    gib = 2**30
+    step = dict(losses=[7.0, 6.5], s_per_step=0.1, finite=True, final_loss=6.0, bytes_limit=105 * gib)
+    record = dict(
+        dry_run=False,
+        date="2026-11-27",
+        commit="abc1234",
+        device="NVIDIA H200",
+        model=dict(layers=16, width=1024, batch=8, seq=1024),
+        settings=dict(mem_fraction=0.0714),
+        link=dict(configuration="link", jitted=dict(bytes=gib, d2h_GB_per_s=53.5, h2d_GB_per_s=53.0), eager={}),
+        results=[
+            dict(step, configuration="jax_jit", runtime_peak_bytes=30 * gib),
+            dict(
+                step,
+                configuration="ooc_jit_capped",
+                bytes_limit=10 * gib,
+                budget_bytes=8 * gib,
+                runtime_peak_bytes=9 * gib,
+                losses=[7.0, 6.5001],
+                s_per_step=0.2,
+            ),
+            dict(
+                configuration="jax_jit_capped",
+                expect_oom=True,
+                oom=True,
+                bytes_limit=10 * gib,
+                error="XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB.",
+            ),
+        ],
+    )
+    assert gpu_check.cap_fraction(record["results"][0], None, 1 / 3, environ={}) == pytest.approx(0.0714, abs=1e-4)
+    summary = gpu_check.summarise(record)
+    assert summary["failures"] == ["ooc_jit_capped: runtime peak 9.00 GiB exceeds its budget 8.00 GiB"]
+    assert summary["capped_jax_jit_oom"] and summary["ooc_vs_jax_jit"] == pytest.approx(2.0)
+    assert summary["ooc_loss_max_abs_diff"] == pytest.approx(1e-4, rel=1e-3)
+
+    table = "\n".join(report.gpu_check_lines("gpu-nvidia-h200-2026-11-27.json", record))
+    assert "| `jax.jit` | none | - | 30.00 GiB | 0.100 | 1.00x | reference, 2 steps |" in table
+    assert "| `jax.jit` | 10.00 GiB | - | out of memory (RESOURCE_EXHAUSTED) | - | - | - |" in table
+    over = "| `ooc_jit` | 10.00 GiB | 8.00 GiB | 9.00 GiB (**over budget**) | 0.200 | 2.00x | max difference 0.0001 |"
+    assert over in table
+    assert "jitted 1 GiB copies 53.5 / 53.0" in table

@@ -1,4 +1,5 @@
-"""ooc_jit against jax.jit on a zoo of training steps, at three budgets, over several steps."""
+"""ooc_jit against jax.jit on a zoo of training steps, at three budgets, over several steps; and the
+device memory the chain of segments really holds, sampled at every segment boundary."""
 
 import functools
 
@@ -7,15 +8,18 @@ import numpy as np
 import pytest
 
 from oocjax import ooc_jit
+from oocjax.transforms.execute import observe_segments
 from tests.zoo import all_cases
 
 CASES = {case.name: case for case in all_cases()}
 
-# The rewrite adds copies and optimization barriers only. Barriers stop XLA from fusing across
-# them, which may reassociate float32 arithmetic: parameters, and then losses, differ by a few ulps
-# after three Adam steps (largest seen on this machine: 4.8e-7 absolute, transformer at 35%).
-# Integer and key leaves, and every bfloat16 leaf in the zoo, come out bitwise equal.
-FLOAT32_TOLERANCE = dict(atol=1e-6, rtol=1e-5)
+# Segments are compiled separately, so XLA fuses within each one only, which may reassociate float32
+# arithmetic. Adam divides by the root of tiny second moments, which turns those last-bit
+# differences into larger ones on parameters with near-zero gradients: after three AdamW steps the
+# transformer's largest difference on this machine was 7.3e-6 absolute, on one element of 4096
+# (the single-program rewrite this replaced stayed within 1e-6). Integer and key leaves, and every
+# bfloat16 leaf in the zoo, must come out bitwise equal.
+FLOAT32_TOLERANCE = dict(atol=2e-5, rtol=1e-5)
 
 
 def assert_matches(actual, expected, exact: bool) -> None:
@@ -47,6 +51,24 @@ def reference_run(name: str) -> list:
     return results
 
 
+def device_bytes_at_each_boundary(step, state, batch) -> tuple[list, list[tuple[int, int]]]:
+    """Runs the step; at each segment boundary, the device bytes of live arrays other than the
+    caller's own (arrays that existed before, except the arguments the step uses as they are),
+    and the segment's compiled launch bytes (outputs and scratch, less what reuses donated memory)."""
+    kinds = step.plan(state, batch).input_kinds
+    arguments = {id(x) for x, kind in zip(jax.tree.leaves((state, batch)), kinds) if x.sharding.memory_kind == kind}
+    callers = {id(x) for x in jax.live_arrays()} - arguments
+    samples = []
+
+    def sample(index, cost):
+        live = {id(x): x for x in jax.live_arrays() if x.sharding.memory_kind == "device" and id(x) not in callers}
+        samples.append((sum(x.nbytes for x in live.values()), cost.launch_bytes))
+
+    with observe_segments(sample):
+        result = step(state, batch)
+    return result, samples
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.6, 0.35], ids=["100%", "60%", "35%"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_ooc_jit_trains_like_jax_jit_within_the_budget(name, fraction):
@@ -57,22 +79,24 @@ def test_ooc_jit_trains_like_jax_jit_within_the_budget(name, fraction):
     assert plan.peak_bytes <= budget
     if fraction < 1:
         assert plan.offloads and plan.host_inputs, "a budget this far under the in-core estimate moves both"
-        # One host transfer per offload in the rewritten jaxpr, and one annotation each (plus one per
-        # result returned on host) in the program lowered for a GPU.
+        assert plan.executed_peak_bytes <= budget
         to_host = [
             e
             for e in plan.jaxpr.eqns
             if e.primitive.name == "device_put" and e.params["devices"] == (jax.memory.Space.Host,)
         ]
         assert len(to_host) == len(plan.offloads)
-        cuda = step.lower(case.state, case.batches[0], lowering_platforms=("cuda",)).as_text()
-        assert cuda.count('_xla_buffer_placement = "pinned_host"') == len(plan.offloads) + len(plan.host_outputs)
     else:
-        assert not plan.offloads and not plan.host_inputs
+        assert not plan.offloads and not plan.host_inputs and not plan.segments
 
     state = fresh(case.state)
-    for batch, expected in zip(case.batches, reference_run(name)):
-        state, metrics = step(state, batch)
+    for i, (batch, expected) in enumerate(zip(case.batches, reference_run(name))):
+        if fraction < 1 and i == 1:  # state as the previous step returned it: kept on host where planned
+            (state, metrics), samples = device_bytes_at_each_boundary(step, state, batch)
+            assert len(samples) == len(plan.segments)
+            assert max(held + launch for held, launch in samples) <= budget, samples
+        else:
+            state, metrics = step(state, batch)
         assert jax.tree.structure((state, metrics)) == jax.tree.structure(expected)
         # At 100% ooc_jit runs jax.jit's own program: exact.
         jax.tree.map(lambda a, b: assert_matches(a, b, exact=fraction == 1), (state, metrics), expected)

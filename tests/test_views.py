@@ -21,7 +21,9 @@ def chain_plan() -> Plan:
 
 
 def test_the_repr_is_one_line_with_peak_budget_in_core_offloads_and_traffic():
-    assert repr(chain_plan()) == "Plan(peak=16 MiB / budget 16 MiB, in-core 21 MiB, 2 offloads, 16 MiB moved)"
+    assert (
+        repr(chain_plan()) == "Plan(peak=16 MiB / budget 16 MiB, in-core 21 MiB, 0 segments, 2 offloads, 16 MiB moved)"
+    )
 
 
 def test_the_summary_of_the_hand_worked_chain_reads_as_expected():

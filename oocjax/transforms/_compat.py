@@ -11,8 +11,9 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jax._src import source_info_util
-from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Var
+from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, JaxprEqn, Literal, Primitive, Var, jaxpr_as_fun
 from jax.extend.core import primitives as _p
+from jax.interpreters import mlir
 
 __all__ = [
     "ClosedJaxpr",
@@ -23,9 +24,11 @@ __all__ = [
     "Var",
     "bind_equation",
     "equation_context",
+    "jaxpr_as_fun",
     "nbytes",
     "source_line",
     "sub_jaxprs",
+    "wait_p",
 ]
 
 # Higher-order primitives oocjax knows. ``jit`` (pjit) calls are inlined; the others stay opaque.
@@ -37,6 +40,7 @@ remat_p = _p.remat_p
 custom_jvp_call_p = _p.custom_jvp_call_p
 custom_vjp_call_p = _p.custom_vjp_call_p
 closed_call_p = _p.closed_call_p
+device_put_p = _p.device_put_p
 # Primitives whose jaxpr params are scalar combiners (how to add two elements), not calls: they
 # need no scratch beyond their operands and results.
 combiner_primitives = frozenset(
@@ -54,6 +58,14 @@ combiner_primitives = frozenset(
         "select_and_gather_add_p",
     )
 )
+
+
+# ``ooc_wait``: in the chain of segments, block until a host copy is complete, so that the device
+# memory of its source is free. Identity on values; inside a compiled program it is a no-op.
+wait_p = Primitive("ooc_wait")
+wait_p.def_impl(lambda x: x.block_until_ready())
+wait_p.def_abstract_eval(lambda aval: aval)
+mlir.register_lowering(wait_p, lambda ctx, x: [x])
 
 
 def nbytes(aval: Any) -> int:

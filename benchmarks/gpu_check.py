@@ -1,0 +1,551 @@
+"""The GPU check: does ``ooc_jit`` run a step that ``jax.jit`` cannot fit, within its budget, and at what cost?
+
+One Flax GPT training step (``models.gpt2`` in float32, AdamW; 16 layers, width 1024, 16 heads,
+batch 8, seq 1024, vocabulary 1024 by default), each configuration in a fresh process with
+``XLA_PYTHON_CLIENT_PREALLOCATE=false`` so that its runtime peak is its own:
+
+- ``link``: host<->device bandwidth per direction, pinned host memory: jitted 1 GiB copies, and
+  eager ``jax.device_put`` at 4 MiB and 256 MiB;
+- ``jax_jit``: the step under ``jax.jit``, no cap: the reference peak, step time and losses;
+- ``jax_jit_capped``: the same under ``XLA_PYTHON_CLIENT_MEM_FRACTION`` set so that the allocator's
+  ``bytes_limit`` is about 1/3 of ``jax_jit``'s peak: it should run out of memory (recorded as a
+  result, not a failure);
+- ``ooc_jit_capped``: ``ooc_jit`` under the same cap with a budget of 0.8x ``bytes_limit``: its
+  runtime ``peak_bytes_in_use`` must stay within the budget, and its losses should equal ``jax_jit``'s;
+- ``remat_nothing_saveable``, ``remat_offload_dots``: JAX's own baselines, the loss under
+  ``jax.checkpoint`` with ``nothing_saveable`` and ``offload_dot_with_no_batch_dims("device",
+  "pinned_host")``, no cap.
+
+Each step configuration runs a few steps recording their losses (the first compiles), then times
+more steps one by one; ``s_per_step`` is their median. About 3-5 minutes on an H100 or H200
+(~5 s to start JAX and ~20 s to compile, per process; ``ooc_jit`` compiles its segments when it
+plans); ``--deadline`` (330 s) skips what would start later, and each process has ``--timeout``.
+
+    python benchmarks/gpu_check.py                  # on a GPU: writes benchmarks/results/gpu-<device>-<date>.json
+    python benchmarks/gpu_check.py --out "$OUT"     # the same file name, in that folder
+    python benchmarks/gpu_check.py --dry-run        # anywhere, ~45 s: a CPU-tiny GPT, every code path
+
+The dry run (part of the test suite) checks the script, not a GPU: there is no memory cap on a
+CPU (no ``memory_stats``), ``ooc_jit``'s budget is half its plan's in-core estimate, and its
+timings mean nothing. Exits nonzero if a configuration fails other than by the expected
+out-of-memory error, or if on a GPU ``ooc_jit``'s runtime peak exceeds its budget (after writing
+the JSON, which is rewritten after every configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = "GPU_CHECK_RESULT "
+# name -> (strategy, under the memory cap, an out-of-memory error is the expected result)
+# In this order: the cap comes from jax_jit's peak, and ooc_jit_capped is the point of the check.
+CONFIGURATIONS = {
+    "jax_jit": ("jax_jit", False, False),
+    "ooc_jit_capped": ("ooc_jit", True, False),
+    "jax_jit_capped": ("jax_jit", True, True),
+    "remat_nothing_saveable": ("remat_nothing_saveable", False, False),
+    "remat_offload_dots": ("remat_offload_dots", False, False),
+}
+GPU_MODEL = dict(layers=16, width=1024, heads=16, batch=8, seq=1024, vocab=1024)
+DRY_MODEL = dict(layers=2, width=64, heads=4, batch=4, seq=32, vocab=256)
+ENV_VARS = (
+    "XLA_FLAGS",
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_ALLOCATOR",
+    "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB",
+    "JAX_PLATFORMS",
+    "JAX_DEFAULT_MATMUL_PRECISION",
+    "CUDA_VISIBLE_DEVICES",
+)
+DEFAULT_MEM_FRACTION = 0.75  # XLA's GPU allocator limit when no fraction is set
+FALLBACK_MEM_FRACTION = 0.1  # the cap when jax_jit gave no peak: ~14 GiB on a 141 GiB H200
+
+
+# -- in the child process -----------------------------------------------------------------------------
+
+
+def workload(model: dict):
+    import jax.numpy as jnp
+
+    try:
+        from benchmarks import models
+    except ImportError:
+        import models
+    return models.gpt2(**model, dtype=jnp.float32)
+
+
+def run_step(config: dict) -> dict:
+    """One step configuration, in this (fresh) process. Errors are recorded, not raised."""
+    import jax
+
+    from oocjax import ooc_jit
+
+    strategy, capped, expect_oom = CONFIGURATIONS[config["configuration"]]
+    device = jax.devices()[0]
+    record = dict(
+        configuration=config["configuration"],
+        strategy=strategy,
+        capped=capped,
+        expect_oom=expect_oom,
+        device=device.device_kind,
+        platform=device.platform,
+        jax=jax.__version__,
+        env=_env(),
+        remat_pass=getattr(jax.config, "jax_compiler_enable_remat_pass", None),
+        bytes_limit=_memory_stat(device, "bytes_limit"),
+    )
+    phase = "setup"
+    try:
+        work = workload(config["model"])
+        record["model"] = work.name
+        state = jax.jit(work.init)(jax.random.key(0))
+        batch = jax.random.randint(jax.random.key(1), work.batch.shape, 0, config["model"]["vocab"], work.batch.dtype)
+        jax.block_until_ready((state, batch))
+        phase = "plan" if strategy == "ooc_jit" else "compile"
+        started = time.perf_counter()
+        if strategy == "ooc_jit":
+            if config["dry_run"]:
+                # No memory cap on a CPU: half the in-core estimate, letting the tiny model's tensors move.
+                in_core = ooc_jit(work.step, budget=2**62).plan(state, batch).baseline_peak_bytes
+                budget, options = int(in_core * config["dry_budget_fraction"]), dict(min_offload_bytes=16 * 1024)
+            elif record["bytes_limit"]:
+                budget, options = int(record["bytes_limit"] * config["budget_of_limit"]), {}
+            else:
+                raise RuntimeError(f"{device.device_kind} reports no memory_stats()['bytes_limit'] to size a budget")
+            step = ooc_jit(work.step, budget=budget, donate_argnums=(0,), **options)
+            plan = step.plan(state, batch)
+            segments = getattr(plan, "segments", None)
+            record |= dict(
+                budget_bytes=plan.budget_bytes,
+                planned_peak_bytes=plan.peak_bytes,
+                in_core_estimate_bytes=plan.baseline_peak_bytes,
+                host_peak_bytes=getattr(plan, "host_peak_bytes", None),
+                offloads=len(plan.offloads),
+                host_inputs=len(plan.host_inputs),
+                executed_peak_bytes=getattr(plan, "executed_peak_bytes", None),
+                segments=None if segments is None else len(segments),
+                compiled_peak_bytes=getattr(plan, "compiled_peak_bytes", None),
+                moved_bytes=getattr(plan, "moved_bytes", None),
+                plan=repr(plan),
+                plan_s=time.perf_counter() - started,
+            )
+            # ooc_jit moves each argument to the memory its plan wants it in, but does not free a donated
+            # device array it copies to host: started on the device, the state kept on host would be held
+            # twice during the first step. Start it in host memory; ooc_jit brings what it needs in.
+            host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+            state = jax.block_until_ready(jax.device_put(state, host))
+            record["state_starts_in"] = "pinned_host"
+        else:
+            policy = {
+                "jax_jit": None,
+                "remat_nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+                "remat_offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
+            }[strategy]
+            step = jax.jit(work.make_step(policy), donate_argnums=(0,)).lower(state, batch).compile()
+            record["compile_s"] = time.perf_counter() - started
+            analysis = step.memory_analysis()
+            record["compiled"] = {
+                name: getattr(analysis, name, None)
+                for name in (
+                    "peak_memory_in_bytes",
+                    "argument_size_in_bytes",
+                    "output_size_in_bytes",
+                    "alias_size_in_bytes",
+                    "temp_size_in_bytes",
+                    "host_temp_size_in_bytes",
+                )
+            }
+        phase = "steps"
+        losses, times = [], []
+        for _ in range(config["loss_steps"]):  # the first one compiles (ooc_jit) or warms up
+            started = time.perf_counter()
+            state, loss = step(state, batch)
+            losses.append(float(loss))
+            times.append(time.perf_counter() - started)
+        record |= dict(losses=losses, first_step_s=times[0])
+        times = []
+        for _ in range(config["timed_steps"]):
+            started = time.perf_counter()
+            state, loss = step(state, batch)
+            jax.block_until_ready((state, loss))
+            times.append(time.perf_counter() - started)
+        record |= dict(step_s=times, s_per_step=statistics.median(times), final_loss=float(loss))
+        record["finite"] = all(math.isfinite(x) for x in [*losses, record["final_loss"]])
+    except Exception as error:  # recorded: the expected OOM, and any failure, are results
+        text = f"{type(error).__name__}: {error}"
+        record |= dict(error=text[:3000], phase=phase, oom=is_oom(text))
+    record["runtime_peak_bytes"] = _memory_stat(device, "peak_bytes_in_use")
+    return record
+
+
+def link_probe(megabytes: int = 1024, repeats: int = 5) -> dict:
+    """Host<->device bandwidth of a jitted copy to and from pinned host memory, per direction."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    to_host = jax.jit(lambda a: a, out_shardings=host)
+    to_device = jax.jit(lambda a: a, in_shardings=host, out_shardings=on_device)
+    h = jax.block_until_ready(to_host(x))
+    jax.block_until_ready(to_device(h))
+    result = {}
+    for name, fn, arg in (("d2h_GB_per_s", to_host, x), ("h2d_GB_per_s", to_device, h)):
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            jax.block_until_ready(fn(arg))
+            best = min(best, time.perf_counter() - started)
+        result[name] = x.nbytes / max(best, 1e-9) / 1e9
+    return dict(bytes=x.nbytes, **result)
+
+
+def eager_probe(megabytes: int, repeats: int = 5) -> dict:
+    """Bandwidth of one eager ``jax.device_put`` to a pinned_host sharding and back, best of ``repeats``."""
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    x = jax.block_until_ready(jnp.ones((megabytes * 2**20 // 4,), jnp.float32))
+    h = jax.block_until_ready(jax.device_put(x, host))
+    jax.block_until_ready(jax.device_put(h, on_device))  # warm both directions (and the pinned pool)
+    best = {"d2h": float("inf"), "h2d": float("inf")}
+    for _ in range(repeats):
+        started = time.perf_counter()
+        h = jax.block_until_ready(jax.device_put(x, host))
+        best["d2h"] = min(best["d2h"], time.perf_counter() - started)
+        started = time.perf_counter()
+        jax.block_until_ready(jax.device_put(h, on_device))
+        best["h2d"] = min(best["h2d"], time.perf_counter() - started)
+    return dict(
+        bytes=x.nbytes,
+        landed_in=h.sharding.memory_kind,
+        **{f"{way}_GB_per_s": x.nbytes / max(s, 1e-9) / 1e9 for way, s in best.items()},
+        **{f"{way}_s": s for way, s in best.items()},
+    )
+
+
+def run_link(config: dict) -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    record = dict(
+        configuration="link",
+        device=device.device_kind,
+        platform=device.platform,
+        jax=jax.__version__,
+        env=_env(),
+        bytes_limit=_memory_stat(device, "bytes_limit"),
+    )
+    try:
+        record["jitted"] = link_probe(config["jitted_mib"])
+        record["eager"] = {f"{mib}MiB": eager_probe(mib) for mib in config["eager_mib"]}
+    except Exception as error:
+        record |= dict(error=f"{type(error).__name__}: {error}"[:3000], oom=is_oom(str(error)))
+    return record
+
+
+def _memory_stat(device, name: str) -> int | None:
+    stats = device.memory_stats()
+    return stats.get(name) if stats else None
+
+
+def _env() -> dict:
+    return {name: os.environ[name] for name in ENV_VARS if name in os.environ}
+
+
+def is_oom(text: str) -> bool:
+    return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+
+
+# -- in the parent process ----------------------------------------------------------------------------
+
+
+def in_fresh_process(payload: dict, mem_fraction: float | None, timeout_s: float) -> dict:
+    """Runs one configuration in a new Python process; its record, or one saying why it has none."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if mem_fraction is not None:
+        env.pop("XLA_CLIENT_MEM_FRACTION", None)  # jaxlib refuses both names at once
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{mem_fraction:.4f}"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH", "")]))
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(payload)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=max(timeout_s, 1),
+            check=False,
+        )
+    except subprocess.TimeoutExpired as timeout:
+        stderr = timeout.stderr.decode(errors="replace") if isinstance(timeout.stderr, bytes) else timeout.stderr or ""
+        record = dict(error=f"timed out after {timeout_s:.0f} s\n{stderr[-2000:]}", oom=False)
+    else:
+        lines = [line for line in done.stdout.splitlines() if line.startswith(MARKER)]
+        if lines:
+            record = json.loads(lines[-1][len(MARKER) :])
+        else:
+            text = f"exit status {done.returncode}\n{done.stderr[-3000:]}"
+            record = dict(error=text, oom=is_oom(text))
+        record["stderr_tail"] = done.stderr[-1500:]
+    record.setdefault("configuration", payload["configuration"])
+    record["process_s"] = time.perf_counter() - started
+    record["mem_fraction"] = mem_fraction
+    return record
+
+
+def cap_fraction(jax_jit: dict, uncapped_limit_bytes: int | None, of_peak: float, environ=os.environ) -> float | None:
+    """The ``XLA_PYTHON_CLIENT_MEM_FRACTION`` whose ``bytes_limit`` is ``of_peak`` x the ``jax_jit``
+    record's runtime peak; None when that record has no peak to size it from.
+
+    XLA's GPU allocator limit is the fraction times the device's total memory, so the total is
+    the uncapped limit over the uncapped fraction (0.75 unless the environment sets one).
+
+    >>> jit = dict(runtime_peak_bytes=30 * 2**30, bytes_limit=105 * 2**30)  # a 140 GiB card
+    >>> cap_fraction(jit, None, 1 / 3, environ={})
+    0.0714
+    """
+    peak = jax_jit.get("runtime_peak_bytes")
+    limit = jax_jit.get("bytes_limit") or uncapped_limit_bytes
+    if jax_jit.get("error") or not peak or not limit:
+        return None
+    uncapped = float(
+        environ.get("XLA_CLIENT_MEM_FRACTION") or environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or DEFAULT_MEM_FRACTION
+    )
+    return round(min(max(peak * of_peak / (limit / uncapped), 0.01), 0.9), 4)
+
+
+def summarise(record: dict) -> dict:
+    """Comparisons against ``jax_jit``, and what made the check fail; also written into the records."""
+    by = {r["configuration"]: r for r in record["results"]}
+    reference = by.get("jax_jit", {})
+    failures, warnings = [], []
+    for r in [record["link"], *record["results"]] if record["link"] else record["results"]:
+        if r.get("error") and not (r.get("expect_oom") and r.get("oom")):
+            failures.append(f"{r['configuration']}: {_first_line(r['error'])}")
+        elif r.get("finite") is False:
+            failures.append(f"{r['configuration']}: a loss is not finite: {r['losses']}, {r['final_loss']}")
+    for r in record["results"]:
+        if reference.get("losses") and r.get("losses") and r is not reference:
+            n = min(len(r["losses"]), len(reference["losses"]))
+            r["loss_max_abs_diff"] = max(abs(a - b) for a, b in zip(r["losses"][:n], reference["losses"][:n]))
+        if reference.get("s_per_step") and r.get("s_per_step"):
+            r["vs_jax_jit"] = r["s_per_step"] / reference["s_per_step"]
+    ooc = by.get("ooc_jit_capped", {})
+    within = None
+    if ooc.get("runtime_peak_bytes") is not None and ooc.get("budget_bytes") and not ooc.get("error"):
+        within = ooc["runtime_peak_bytes"] <= ooc["budget_bytes"]
+        if not within:
+            failures.append(
+                f"ooc_jit_capped: runtime peak {_bytes(ooc['runtime_peak_bytes'])} exceeds its budget "
+                f"{_bytes(ooc['budget_bytes'])}"
+            )
+    capped = by.get("jax_jit_capped", {})
+    if not record["dry_run"] and capped and not capped.get("oom"):
+        warnings.append("jax_jit_capped did not run out of memory: the cap does not prove that the step does not fit")
+    return dict(
+        jax_jit_peak_bytes=reference.get("runtime_peak_bytes"),
+        jax_jit_s_per_step=reference.get("s_per_step"),
+        capped_bytes_limit=capped.get("bytes_limit") or ooc.get("bytes_limit"),
+        capped_jax_jit_oom=capped.get("oom"),
+        ooc_budget_bytes=ooc.get("budget_bytes"),
+        ooc_runtime_peak_bytes=ooc.get("runtime_peak_bytes"),
+        ooc_within_budget=within,
+        ooc_vs_jax_jit=ooc.get("vs_jax_jit"),
+        ooc_loss_max_abs_diff=ooc.get("loss_max_abs_diff"),
+        failures=failures,
+        warnings=warnings,
+    )
+
+
+def describe(r: dict) -> str:
+    """One line per configuration."""
+    name = f"{r['configuration']:<24}"
+    if r["configuration"] == "link":
+        if r.get("error"):
+            return f"{name}FAILED {_first_line(r['error'])}"
+        jitted = r["jitted"]
+        eager = ", ".join(
+            f"{size} {e['d2h_GB_per_s']:.1f}/{e['h2d_GB_per_s']:.1f}" for size, e in r.get("eager", {}).items()
+        )
+        return (
+            f"{name}{r['device']}: jitted {jitted['bytes'] / 2**20:.0f} MiB to host {jitted['d2h_GB_per_s']:.1f} GB/s, "
+            f"to device {jitted['h2d_GB_per_s']:.1f} GB/s; eager device_put (to host/to device GB/s) {eager}"
+        )
+    parts = [f"peak {_bytes(r.get('runtime_peak_bytes'))}", f"limit {_bytes(r.get('bytes_limit'))}"]
+    if "budget_bytes" in r:
+        parts.append(f"budget {_bytes(r['budget_bytes'])} (planned {_bytes(r.get('planned_peak_bytes'))})")
+    if r.get("error"):
+        status = "OOM (expected)" if r.get("expect_oom") and r.get("oom") else "FAILED"
+        return f"{name}{status} in {r.get('phase', '?')}: {_first_line(r['error'])[:160]}; {', '.join(parts)}"
+    parts.append(f"{r['s_per_step']:.4f} s/step")
+    if r.get("vs_jax_jit"):
+        parts.append(f"{r['vs_jax_jit']:.2f}x jax.jit")
+    if "loss_max_abs_diff" in r:
+        parts.append(f"losses max |diff| {r['loss_max_abs_diff']:.3g}")
+    if r.get("expect_oom") and r.get("platform") != "cpu":
+        parts.append("did NOT run out of memory")
+    return name + ", ".join(parts)
+
+
+def _first_line(text: str) -> str:
+    return next((line for line in text.splitlines() if line.strip()), text)
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value} B"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def _versions() -> dict:
+    versions = {}
+    for package in ("jax", "jaxlib", "flax", "optax", "jax-cuda12-plugin", "jax-cuda13-plugin", "oocjax"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[package] = metadata.version(package)
+    return versions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="a CPU-tiny GPT, no cap: checks the script, not a GPU")
+    parser.add_argument("--out", help="a JSON file, or a folder for the default name gpu-<device>-<date>.json")
+    parser.add_argument("--configurations", default=",".join(CONFIGURATIONS), help="which step configurations")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--width", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--mem-fraction", type=float, help="the cap (default: bytes_limit at 1/3 of jax_jit's peak)")
+    parser.add_argument("--cap-of-peak", type=float, default=1 / 3, help="cap's bytes_limit over jax_jit's peak")
+    parser.add_argument("--budget-of-limit", type=float, default=0.8, help="ooc_jit's budget over the capped limit")
+    parser.add_argument("--loss-steps", type=int, help="steps whose losses are recorded (default 4; dry run 2)")
+    parser.add_argument("--timed-steps", type=int, help="timed steps after those (default 10; dry run 2)")
+    parser.add_argument("--timeout", type=float, default=180, help="seconds per configuration")
+    parser.add_argument("--deadline", type=float, default=330, help="seconds for everything; later ones are skipped")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        payload = json.loads(args.child)
+        record = run_link(payload) if payload["configuration"] == "link" else run_step(payload)
+        print(MARKER + json.dumps(record), flush=True)
+        return
+
+    try:
+        from benchmarks._machine import machine
+    except ImportError:
+        from _machine import machine
+
+    dry = args.dry_run
+    model = dict(DRY_MODEL if dry else GPU_MODEL)
+    model |= {k: v for k in model if (v := getattr(args, k)) is not None}
+    names = args.configurations.split(",")
+    unknown = sorted(set(names) - set(CONFIGURATIONS))
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; choose from {list(CONFIGURATIONS)}")
+    common = dict(
+        dry_run=dry,
+        model=model,
+        loss_steps=args.loss_steps or (2 if dry else 4),
+        timed_steps=args.timed_steps or (2 if dry else 10),
+        budget_of_limit=args.budget_of_limit,
+        dry_budget_fraction=0.5,
+    )
+    started = time.perf_counter()
+    record = dict(
+        benchmark="gpu_check",
+        dry_run=dry,
+        **machine(),
+        started=datetime.datetime.now().isoformat(timespec="seconds"),
+        versions=_versions(),
+        env=_env() | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+        model=dict(model, name=f"gpt2-{model['layers']}x{model['width']}", dtype="float32", optimizer="adamw"),
+        settings={k: v for k, v in common.items() if k != "model"} | dict(cap_of_peak=args.cap_of_peak),
+        link=None,
+        results=[],
+    )
+
+    def remaining() -> float:
+        return min(args.timeout, args.deadline - (time.perf_counter() - started))
+
+    def write() -> str:
+        record["summary"] = summarise(record)
+        record["wall_s"] = time.perf_counter() - started
+        out = args.out
+        default = f"gpu-{_slug(record.get('device') or 'unknown')}-{record['date']}.json"
+        if out is None:
+            folder = Path(tempfile.gettempdir()) if dry else ROOT / "benchmarks" / "results"
+            out = folder / (f"gpu_check-dry-run-{default[4:]}" if dry else default)
+        elif Path(out).is_dir():
+            out = Path(out) / default
+        Path(out).write_text(json.dumps(record, indent=1) + "\n")
+        return str(out)
+
+    link = dict(configuration="link", jitted_mib=64 if dry else 1024, eager_mib=[4, 16] if dry else [4, 256])
+    record["link"] = in_fresh_process(link, None, remaining())
+    record["device"] = record["link"].get("device")
+    print(describe(record["link"]), flush=True)
+    if record["link"].get("platform") == "cpu" and not dry:  # nothing written: it would read as a GPU result
+        raise SystemExit("no GPU here (jax.devices() is a CPU): run with --dry-run to check the script")
+    mem_fraction = None if dry else args.mem_fraction
+    for name in names:
+        _, capped, _ = CONFIGURATIONS[name]
+        if capped and not dry and mem_fraction is None:
+            jit = next((r for r in record["results"] if r["configuration"] == "jax_jit"), {})
+            mem_fraction = cap_fraction(jit, record["link"].get("bytes_limit"), args.cap_of_peak)
+            if mem_fraction is None:
+                mem_fraction = FALLBACK_MEM_FRACTION
+                print(f"no jax_jit peak to size the cap from: MEM_FRACTION={mem_fraction}", flush=True)
+        if capped:
+            record["settings"]["mem_fraction"] = mem_fraction
+        left = remaining()
+        if left < 10:
+            result = dict(configuration=name, error=f"skipped: the {args.deadline:.0f} s deadline was reached")
+        else:
+            result = in_fresh_process(dict(common, configuration=name), mem_fraction if capped else None, left)
+        record["results"].append(result)
+        record["device"] = record["device"] or result.get("device")
+        out = write()
+        print(describe(result), flush=True)
+    out = write()
+    summary = record["summary"]
+    print(f"wrote {out} ({record['wall_s']:.0f} s)")
+    for warning in summary["warnings"]:
+        print(f"warning: {warning}")
+    if summary["failures"]:
+        raise SystemExit("gpu_check failed:\n  " + "\n  ".join(summary["failures"]))
+    if dry:
+        print("dry run passed: every configuration built, planned, compiled and ran")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""Cutting a planned step into segments: separately compiled programs with transfers between them.
+
+Inside one XLA program a plan's transfers are not where the plan put them: XLA's scheduler moves
+copies and decides how long every buffer lives (JAX_XLA_NOTES.md, "Measured on a real GPU"). So a
+plan runs as a chain of programs over consecutive ranges of steps. Between two programs the
+executor waits for offloads (oldest first), issues prefetches, and after a program issues the
+offloads of what it produced. Memory is then decided at the boundaries, where the executor holds
+exactly the arrays it references.
+
+A segment trades timing fidelity for dispatch cost, and memory for both:
+
+* **Cuts.** Every prefetch issue step and every step an offload must be done before is a cut: a
+  prefetch issued earlier than planned would take memory early, and a wait cannot fall inside a
+  compiled program.
+* **Memory.** A segment's device memory is coarser than the per-step model: its arguments live
+  through the whole program, its results are allocated when it is launched, and prefetches are
+  issued at its start. ``segment_bytes`` counts exactly that; a segment over the budget is split
+  in halves until it fits (a one-step segment is the per-step model, which the plan fits).
+* **Cost.** A segment whose work is under ``min_segment_flops`` is merged with the next one where
+  no offload would have to be waited for inside it and the merged segment still fits: launching a
+  program costs tens of microseconds, which small segments cannot hide.
+
+``executed_peak`` gives the peak of the chain from the programs' measured sizes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from itertools import pairwise
+
+from oocjax.schedule.moves import Offload, Prefetch, Schedule
+from oocjax.schedule.program import Program, held_for_whole_step
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Segment:
+    """Steps ``start .. stop - 1`` run as one compiled program, with the transfers around it.
+
+    Attributes:
+      start, stop: the steps it runs.
+      inputs: buffers it reads that exist before it, as its arguments, in order.
+      outputs: buffers it defines that are needed after it (read later, offloaded or returned).
+      donated: the inputs whose last device use it is: their memory may be reused for its outputs.
+      waits: offloads waited for before it runs (their device copies are released), oldest first.
+      prefetches: buffers copied to the device before it runs.
+      offloads: buffers copied to host after it runs.
+      held_bytes: device bytes referenced when it is launched, its arguments and prefetches included.
+      estimate_bytes: ``held_bytes`` plus its outputs and the estimated peak of its temporaries.
+      flops: its work.
+    """
+
+    start: int
+    stop: int
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    donated: tuple[int, ...]
+    waits: tuple[int, ...]
+    prefetches: tuple[int, ...]
+    offloads: tuple[int, ...]
+    held_bytes: int
+    estimate_bytes: int
+    flops: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SegmentCost:
+    """A compiled segment's own device memory, as XLA reports it (``memory_analysis``)."""
+
+    temp_bytes: int
+    output_bytes: int
+    alias_bytes: int
+
+    @property
+    def launch_bytes(self) -> int:
+        """What launching it allocates beyond its arguments: outputs and scratch, less the donated
+        argument memory its outputs reuse."""
+        return self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Residency:
+    """One stay of a buffer on the device: from step ``start`` (-1: before the first step) to step
+    ``end`` (``n``: past the last step, i.e. returned or copied out after the end). An ``offloaded``
+    stay ends with a copy to host, issued after the segment that holds its offload step."""
+
+    buffer: int
+    start: int
+    end: int
+    prefetched: bool
+    offloaded: bool = False
+
+    def needed_after(self, stop: int) -> bool:
+        """Whether a segment ending before step ``stop`` must hand this stay on (as a result)."""
+        return self.end >= stop or self.offloaded
+
+
+def residencies(program: Program, schedule: Schedule) -> list[_Residency]:
+    """Every stay of every buffer on the device under ``schedule``, as the executor holds them."""
+    n = len(program.steps)
+    uses = program.uses
+    offload_of: dict[int, Offload] = {}
+    prefetches_of: dict[int, list[Prefetch]] = defaultdict(list)
+    for move in schedule.moves:
+        if isinstance(move, Offload):
+            offload_of[move.buffer] = move
+        else:
+            prefetches_of[move.buffer].append(move)
+    stays = []
+    for b, buffer in enumerate(program.buffers):
+        reads = uses.read_at[b]
+        starts = [] if b in schedule.host_inputs else [-1 if buffer.kind != "computed" else uses.defined_at[b]]
+        prefetched_from = len(starts)
+        starts += sorted(p.issue_step for p in prefetches_of.get(b, ()))
+        on_device_at_end = buffer.is_output and b not in schedule.host_outputs
+        for j, start in enumerate(starts):
+            following = starts[j + 1] if j + 1 < len(starts) else n
+            end = max([start, *(r for r in reads if start <= r < following)])
+            offload = offload_of.get(b)
+            offloaded = offload is not None and start <= offload.after_step < following
+            if offloaded:
+                end = max(end, n if offload.done_before_step is None else offload.done_before_step - 1)
+            last = j == len(starts) - 1
+            if (last and on_device_at_end) or (start < 0 and held_for_whole_step(buffer, reads)):
+                end = n
+            stays.append(_Residency(b, start, end, j >= prefetched_from, offloaded))
+    return stays
+
+
+class _Segmenter:
+    """Measures candidate segments of one planned program."""
+
+    def __init__(self, program: Program, schedule: Schedule):
+        self.program, self.schedule = program, schedule
+        n = self.n = len(program.steps)
+        nbytes = self.nbytes = [b.nbytes for b in program.buffers]
+        self.stays = residencies(program, schedule)
+        # Bytes held at a boundary before step a: stays begun before a that last to a or later.
+        diff = [0] * (n + 2)
+        self.started_at: list[list[_Residency]] = [[] for _ in range(n + 1)]
+        for stay in self.stays:
+            first, last = stay.start + 1, min(stay.end, n)
+            if first <= last:
+                diff[first] += nbytes[stay.buffer]
+                diff[last + 1] -= nbytes[stay.buffer]
+            if stay.start >= 0:
+                self.started_at[stay.start].append(stay)
+        held, running = [], 0
+        for a in range(n + 1):
+            running += diff[a]
+            held.append(running)
+        self.held_before = held
+        self.offload_of = {m.buffer: m for m in schedule.moves if isinstance(m, Offload)}
+        self.stays_of: dict[int, list[_Residency]] = defaultdict(list)  # in start order
+        for stay in self.stays:
+            self.stays_of[stay.buffer].append(stay)
+
+    def fits_as_one(self, a: int, y: int) -> bool:
+        """Whether no offload would have to be both issued and waited for inside steps a..y-1."""
+        return not any(
+            a <= m.after_step and m.done_before_step is not None and m.done_before_step < y
+            for m in self.offload_of.values()
+            if m.after_step < y
+        )
+
+    def estimate(self, a: int, y: int) -> tuple[int, int]:
+        """(held bytes at launch, estimated device peak) of steps a..y-1 as one segment."""
+        nbytes, steps = self.nbytes, self.program.steps
+        held = self.held_before[a]
+        external = internal_peak = 0
+        ending: dict[int, int] = defaultdict(int)  # step -> internal bytes freed after it
+        live = 0
+        for k in range(a, y):
+            for stay in self.started_at[k]:
+                size = nbytes[stay.buffer]
+                if stay.prefetched:
+                    held += size  # issued at the segment's start
+                elif stay.needed_after(y):
+                    external += size
+                else:
+                    live += size
+                    ending[stay.end] += size
+            internal_peak = max(internal_peak, live + steps[k].transient_bytes)
+            live -= ending.pop(k, 0)
+        return held, held + external + internal_peak
+
+    def flops(self, a: int, y: int) -> int:
+        return sum(s.flops for s in self.program.steps[a:y])
+
+    def split_to_fit(self, a: int, y: int, budget: int) -> list[tuple[int, int]]:
+        if y - a <= 1 or self.estimate(a, y)[1] <= budget:
+            return [(a, y)]
+        middle = (a + y) // 2
+        return self.split_to_fit(a, middle, budget) + self.split_to_fit(middle, y, budget)
+
+    def segment(self, a: int, y: int) -> Segment:
+        program, schedule = self.program, self.schedule
+        steps = program.steps[a:y]
+        defined_here = {b for step in steps for b in step.writes}
+        inputs = tuple(dict.fromkeys(b for step in steps for b in step.reads if b not in defined_here))
+        held, estimate = self.estimate(a, y)
+        return Segment(
+            start=a,
+            stop=y,
+            inputs=inputs,
+            outputs=tuple(b for b in sorted(defined_here) if self.stays_of[b][0].needed_after(y)),
+            donated=tuple(b for b in inputs if self._owned_and_last_used(b, a, y)),
+            waits=tuple(
+                m.buffer
+                for m in sorted(self.offload_of.values(), key=lambda m: m.after_step)
+                if m.done_before_step is not None and a <= m.done_before_step < y
+            ),
+            prefetches=tuple(m.buffer for m in schedule.prefetches if a <= m.issue_step < y),
+            offloads=tuple(m.buffer for m in schedule.offloads if a <= m.after_step < y),
+            held_bytes=held,
+            estimate_bytes=estimate,
+            flops=self.flops(a, y),
+        )
+
+    def _owned_and_last_used(self, b: int, a: int, y: int) -> bool:
+        """Whether the copy of input ``b`` that steps a..y-1 read may be donated to them: it is the
+        executor's own (computed, prefetched, or an argument the caller donated) and nothing after
+        them reads it."""
+        stays = self.stays_of[b]
+        prefetched_here = [s for s in stays if s.prefetched and a <= s.start < y]
+        stay = prefetched_here[-1] if prefetched_here else next(s for s in stays if s.start < a <= s.end)
+        buffer = self.program.buffers[b]
+        owned = stay.prefetched or buffer.kind == "computed" or (buffer.kind == "input" and buffer.donated)
+        return owned and not stay.needed_after(y)
+
+
+def cut_segments(
+    program: Program, schedule: Schedule, *, budget_bytes: int, min_segment_flops: int = 0, min_segments: int = 1
+) -> tuple[Segment, ...]:
+    """Cuts a planned program into segments that each fit ``budget_bytes`` by the estimate.
+
+    Args:
+      program, schedule: the step and its plan.
+      budget_bytes: the device budget every segment must fit, arguments and results included.
+      min_segment_flops: merge a segment with less work into the next one where that still fits.
+      min_segments: cut into at least this many segments (for measuring the executor's overhead).
+
+    >>> from oocjax.schedule import Program, keep_all
+    >>> p = Program.from_ops([("f", ["x"], ["y"]), ("g", ["y"], ["z"])], {"x": 8, "y": 8, "z": 8},
+    ...                      inputs=["x"], outputs=["z"])
+    >>> [(s.start, s.stop, s.inputs, s.outputs) for s in cut_segments(p, keep_all(p), budget_bytes=64)]
+    [(0, 2, (0,), (2,))]
+    """
+    n = len(program.steps)
+    if n == 0:
+        return ()
+    cutter = _Segmenter(program, schedule)
+    cuts = {0, *(m.issue_step for m in schedule.prefetches)}
+    cuts |= {m.done_before_step for m in schedule.offloads if m.done_before_step is not None}
+    if min_segments > 1:
+        cuts |= {n * i // min_segments for i in range(min_segments)}
+    bounds = [*sorted(c for c in cuts if c < n), n]
+    ranges = [r for a, y in pairwise(bounds) for r in cutter.split_to_fit(a, y, budget_bytes)]
+    if min_segments <= 1:
+        ranges = _merge_small(cutter, ranges, budget_bytes, min_segment_flops)
+    return tuple(cutter.segment(a, y) for a, y in ranges)
+
+
+def _merge_small(
+    cutter: _Segmenter, ranges: list[tuple[int, int]], budget: int, min_flops: int
+) -> list[tuple[int, int]]:
+    merged = [ranges[0]]
+    for a, y in ranges[1:]:
+        start, stop = merged[-1]
+        small = cutter.flops(start, stop) < min_flops or cutter.flops(a, y) < min_flops
+        if small and cutter.fits_as_one(start, y) and cutter.estimate(start, y)[1] <= budget:
+            merged[-1] = (start, y)
+        else:
+            merged.append((a, y))
+    return merged
+
+
+def executed_peak(segments: tuple[Segment, ...], costs: tuple[SegmentCost, ...]) -> tuple[int, int | None]:
+    """(peak device bytes, the segment that reaches it) of the chain with measured programs: per
+    segment, what the executor holds when it launches it plus what launching it allocates."""
+    peaks = [s.held_bytes + c.launch_bytes for s, c in zip(segments, costs, strict=True)]
+    if not peaks:
+        return 0, None
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    return peaks[worst], worst
+
+
+def with_measured_scratch(
+    program: Program, segments: tuple[Segment, ...], costs: tuple[SegmentCost, ...], budget_bytes: int
+) -> Program:
+    """``program`` with the memory its compiled segments need beyond the estimate, where that broke
+    the budget, added as scratch of their steps: planned again, less is held around them."""
+    transient = [step.transient_bytes for step in program.steps]
+    for segment, cost in zip(segments, costs, strict=True):
+        if segment.held_bytes + cost.launch_bytes <= budget_bytes:
+            continue
+        excess = max(cost.launch_bytes - (segment.estimate_bytes - segment.held_bytes), 0)
+        excess = excess or segment.held_bytes + cost.launch_bytes - budget_bytes
+        for k in range(segment.start, segment.stop):
+            transient[k] += excess
+    steps = tuple(
+        step if extra == step.transient_bytes else replace(step, transient_bytes=extra)
+        for step, extra in zip(program.steps, transient)
+    )
+    return Program(steps=steps, buffers=program.buffers)

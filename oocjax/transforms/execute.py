@@ -1,0 +1,246 @@
+"""Running the chain of segments: compile each distinct segment once, then interpret the chain's
+jaxpr with real transfers, real waits and a byte gate on how far dispatch runs ahead.
+
+The loop is ``eval_jaxpr``'s: read the operands, apply the equation, drop every value whose last
+use it was. What it adds is memory accounting, because on a GPU a launch allocates its outputs and
+scratch when the host *enqueues* it, and memory given back (a dropped argument, an offloaded
+source) is free only once the work using it has finished (JAX_XLA_NOTES.md, "Running a plan as
+segments"). So the executor counts
+
+* ``held``: device arrays it references (arguments, segment results, prefetched copies);
+* ``pending``: memory it has let go of that may still be in use, each entry with an array that is
+  ready once that memory is free (a later result of the same program, or the host copy of an
+  offload);
+
+and before each launch or prefetch it waits, oldest first, until ``held + pending + what the
+launch allocates`` fits the budget: the seed algorithm's "wait for a swap-out only when its memory
+is needed", extended to everything in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+
+from oocjax.schedule.segments import SegmentCost
+from oocjax.transforms import _compat as jc
+
+_observer: Callable[[int, SegmentCost], None] | None = None
+
+
+@contextlib.contextmanager
+def observe_segments(callback: Callable[[int, SegmentCost], None]) -> Iterator[None]:
+    """Calls ``callback(index, cost)`` just before each segment is launched (for tests and tools
+    that sample memory, e.g. ``jax.live_arrays()``, at every boundary)."""
+    global _observer
+    previous, _observer = _observer, callback
+    try:
+        yield
+    finally:
+        _observer = previous
+
+
+def _sharding(kind: str) -> jax.sharding.Sharding:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+
+
+def _memory_kind(x: Any) -> str | None:
+    return getattr(getattr(x, "sharding", None), "memory_kind", None)
+
+
+def segment_specs(chain: jc.ClosedJaxpr) -> list[list[jax.ShapeDtypeStruct]]:
+    """Per segment call of ``chain``, its arguments' types, on the device."""
+    device = _sharding("device")
+    return [
+        [
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type, sharding=device)
+            for v in eqn.invars
+        ]
+        for eqn in chain.jaxpr.eqns
+        if eqn.primitive is jc.jit_p
+    ]
+
+
+def compile_segments(chain: jc.ClosedJaxpr, functions: Sequence[Callable]) -> tuple[list[Any], list[SegmentCost]]:
+    """One compiled program per segment of ``chain``; segments with the same jaxpr, donation and
+    argument types share one. Distinct programs compile in parallel threads (XLA releases the GIL)."""
+    with warnings.catch_warnings():
+        # A donated argument no output can reuse is still freed after the segment: not worth a warning.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        return _compile_segments(chain, functions)
+
+
+def _compile_segments(chain: jc.ClosedJaxpr, functions: Sequence[Callable]) -> tuple[list[Any], list[SegmentCost]]:
+    calls = [eqn for eqn in chain.jaxpr.eqns if eqn.primitive is jc.jit_p]
+    first_of: dict[Any, int] = {}
+    lowered: dict[int, Any] = {}
+    shared_with: list[int] = []
+    for index, (eqn, function, specs) in enumerate(zip(calls, functions, segment_specs(chain), strict=True)):
+        body = eqn.params["jaxpr"]
+        key = (str(body.jaxpr), tuple(map(id, body.consts)), eqn.params["donated_invars"])
+        if key not in first_of:
+            first_of[key] = index
+            lowered[index] = function.trace(*specs).lower()
+        shared_with.append(first_of[key])
+    with ThreadPoolExecutor() as pool:
+        compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+    programs = [compiled[i] for i in shared_with]
+    return programs, [_cost(program) for program in programs]
+
+
+def _cost(compiled: Any) -> SegmentCost:
+    stats = compiled.memory_analysis()
+    return SegmentCost(
+        temp_bytes=int(stats.temp_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+    )
+
+
+class _DeviceMemory:
+    """What the executor holds on the device and what it has let go of but may still be in use."""
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.held = 0
+        self.pending_bytes = 0
+        self.pending: deque[list] = deque()  # [ready probe or None, bytes], oldest first
+        self.references: dict[int, int] = {}  # id(array) -> variables naming it
+        self.owned: set[int] = set()  # ids of arrays the executor made (not arguments or constants)
+
+    def hold(self, x: Any, *, owned: bool) -> None:
+        if _memory_kind(x) != "device":
+            return
+        key = id(x)
+        if key not in self.references:
+            self.held += x.nbytes
+            if owned:
+                self.owned.add(key)
+        self.references[key] = self.references.get(key, 0) + 1
+
+    def release(self, arrays: Sequence[Any], probe: Any, extra_bytes: int = 0) -> None:
+        """Lets go of ``arrays`` (and ``extra_bytes`` of scratch), in use until ``probe`` is ready."""
+        freed = extra_bytes
+        deleted = []
+        for x in arrays:
+            key = id(x)
+            if key not in self.references:
+                continue
+            self.references[key] -= 1
+            if not self.references[key]:
+                del self.references[key]
+                self.held -= x.nbytes
+                freed += x.nbytes
+                if key in self.owned:
+                    # Delete now rather than when Python lets go of the object: a stray reference
+                    # (a cycle the collector has not reached) must not hold device memory.
+                    # PJRT keeps the buffer until work already enqueued on it is done.
+                    self.owned.discard(key)
+                    if not x.is_deleted():
+                        deleted.append(x)
+        if deleted:
+            self.consumed(deleted, probe)  # what waited on them waits on what used them last
+            for x in deleted:
+                x.delete()
+        if freed > 0 and probe is not None:
+            self.pending.append([probe, freed])
+            self.pending_bytes += freed
+
+    def consumed(self, donated: Sequence[Any], probe: Any) -> None:
+        """Arrays donated to a launch can no longer be polled: what waits on them waits on ``probe``
+        (a result of that later launch, which ends after them)."""
+        gone = {id(x) for x in donated}
+        for entry in self.pending:
+            if id(entry[0]) in gone:
+                entry[0] = probe
+
+    def make_room(self, nbytes: int) -> None:
+        """Waits, oldest first, until ``nbytes`` more fit the budget or nothing is left in flight."""
+        while self.pending and (self.pending[0][0] is None or self.pending[0][0].is_ready()):
+            self._forget_oldest()
+        while self.pending and self.held + self.pending_bytes + nbytes > self.budget_bytes:
+            probe = self.pending[0][0]
+            if probe is not None:
+                probe.block_until_ready()
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        _, nbytes = self.pending.popleft()
+        self.pending_bytes -= nbytes
+
+
+def _probe(values: Sequence[Any]) -> Any:
+    """A value that is ready once the work that made ``values`` is done (None if none can tell)."""
+    return next((x for x in values if hasattr(x, "is_ready")), None)
+
+
+class ChainExecutor:
+    """Runs a chain jaxpr (``transforms.segment``) on the step's flat arguments."""
+
+    def __init__(self, chain: jc.ClosedJaxpr, programs: Sequence[Any], costs: Sequence[SegmentCost], budget_bytes: int):
+        self.chain, self.programs, self.costs, self.budget_bytes = chain, list(programs), list(costs), budget_bytes
+        jaxpr = chain.jaxpr
+        self.last_use: dict[Any, int] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                if isinstance(v, jc.Var):
+                    self.last_use[v] = i
+        for v in jaxpr.outvars:
+            if isinstance(v, jc.Var):
+                self.last_use[v] = len(jaxpr.eqns)  # returned: never dropped
+        self.host, self.device = _sharding("pinned_host"), _sharding("device")
+
+    def __call__(self, arguments: list[Any]) -> list[Any]:
+        """Runs the chain on the flat arguments, taking the list over: it is emptied, so that no
+        argument outlives its last use here."""
+        jaxpr = self.chain.jaxpr
+        memory = _DeviceMemory(self.budget_bytes)
+        env: dict[Any, Any] = {}
+
+        def write(v: Any, x: Any, owned: bool = True) -> None:
+            if v in self.last_use:
+                env[v] = x
+                memory.hold(x, owned=owned)
+
+        for v, x in zip(jaxpr.constvars, self.chain.consts, strict=True):
+            write(v, x, owned=False)
+        for v, x in zip(jaxpr.invars, arguments, strict=True):
+            write(v, x, owned=False)
+        arguments.clear()
+        del x
+        segment = 0
+        for i, eqn in enumerate(jaxpr.eqns):
+            invals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
+            extra = 0
+            if eqn.primitive is jc.jit_p:
+                cost = self.costs[segment]
+                memory.make_room(cost.launch_bytes)
+                if _observer is not None:
+                    _observer(segment, cost)
+                outvals = self.programs[segment](*invals)
+                donated = [x for x, d in zip(invals, eqn.params["donated_invars"]) if d]
+                if donated:
+                    memory.consumed(donated, _probe(outvals))
+                extra = cost.temp_bytes - cost.alias_bytes
+                segment += 1
+            elif eqn.primitive is jc.device_put_p:
+                to_host = eqn.params["devices"][0] == jax.memory.Space.Host
+                if not to_host:
+                    memory.make_room(invals[0].nbytes)
+                outvals = [jax.device_put(invals[0], self.host if to_host else self.device)]
+            elif eqn.primitive is jc.wait_p:
+                outvals = [invals[0].block_until_ready()]
+            else:
+                raise AssertionError(f"a chain holds segments, transfers and waits only, not {eqn.primitive}")
+            for v, x in zip(eqn.outvars, outvals, strict=True):
+                write(v, x)
+            dying = [env.pop(v) for v in dict.fromkeys(eqn.invars) if isinstance(v, jc.Var) and self.last_use[v] == i]
+            memory.release(dying, probe=_probe(outvals), extra_bytes=extra)
+            del invals, outvals, dying  # no reference may outlive its last use
+        return [v.val if isinstance(v, jc.Literal) else env[v] for v in jaxpr.outvars]

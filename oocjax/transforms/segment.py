@@ -1,0 +1,87 @@
+"""From segments back to JAX: one jitted function per segment, and the chain as a jaxpr people read.
+
+The chain's jaxpr is the step as it runs: its top-level equations are, in execution order, the
+waits for offloads (``ooc_wait``), the prefetches (``device_put`` to device memory), the segment
+calls (``jit`` equations named ``segment_<i>``, each holding its part of the step), and the
+offloads (``device_put`` to host memory). ``transforms.execute`` runs it; ``Plan.jaxpr`` shows it.
+
+Segments receive their constants as arguments, so that two segments of the same shape (repeated
+layers) have the same jaxpr and can share one compiled program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from oocjax.schedule import Schedule
+from oocjax.schedule.segments import Segment
+from oocjax.transforms import _compat as jc
+from oocjax.transforms.analyse import FlatProgram
+
+Host = jax.memory.Space.Host
+Device = jax.memory.Space.Device
+
+
+def segment_functions(flat: FlatProgram, segments: Sequence[Segment]) -> list[Callable]:
+    """Per segment, a jitted function of its inputs' device values returning its outputs."""
+    return [_segment_function(flat, i, segment) for i, segment in enumerate(segments)]
+
+
+def _segment_function(flat: FlatProgram, index: int, segment: Segment) -> Callable:
+    equations = flat.equations[segment.start : segment.stop]
+
+    def run(*values: Any) -> tuple[Any, ...]:
+        env: dict[int, Any] = dict(zip(segment.inputs, values, strict=True))
+        for fe in equations:
+            invals = [r.val if isinstance(r, jc.Literal) else env[r] for r in fe.inputs]
+            with jc.equation_context(fe.eqn):
+                env.update(zip(fe.outputs, jc.bind_equation(fe.eqn, invals), strict=True))
+        return tuple(env[b] for b in segment.outputs)
+
+    run.__name__ = run.__qualname__ = f"segment_{index}"
+    donated = tuple(i for i, b in enumerate(segment.inputs) if b in segment.donated)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+    return jax.jit(run, donate_argnums=donated, in_shardings=device, out_shardings=device, keep_unused=True)
+
+
+def chain_function(
+    flat: FlatProgram, schedule: Schedule, segments: Sequence[Segment], functions: Sequence[Callable]
+) -> Callable[..., tuple[Any, ...]]:
+    """The step as a chain: a function of the flat arguments (host inputs in host memory) that
+    waits, prefetches, calls each segment and offloads, as planned. Trace it to read the chain;
+    ``transforms.execute`` runs that trace."""
+
+    def run(*arguments: Any) -> tuple[Any, ...]:
+        device: dict[int, Any] = dict(flat.constants)
+        host: dict[int, Any] = {}
+        for b, value in enumerate(arguments):
+            (host if b in schedule.host_inputs else device)[b] = value
+        for segment, function in zip(segments, functions, strict=True):
+            for b in segment.waits:
+                host[b] = jc.wait_p.bind(host[b])
+            for b in segment.prefetches:
+                device[b] = jax.device_put(host[b], Device)
+            results = function(*(device[b] for b in segment.inputs))
+            device.update(zip(segment.outputs, results, strict=True))
+            for b in segment.offloads:
+                host[b] = jax.device_put(device[b], Host)
+        return tuple(
+            r.val if isinstance(r, jc.Literal) else host[r] if r in schedule.host_outputs else device[r]
+            for r in flat.outputs
+        )
+
+    return run
+
+
+def chain_jaxpr(chain: Callable, flat: FlatProgram, input_kinds: Sequence[str]) -> jc.ClosedJaxpr:
+    """The chain traced over the step's flat argument types."""
+    specs = [_spec(aval, kind) for aval, kind in zip(flat.avals, input_kinds)]
+    return jax.make_jaxpr(chain)(*specs)
+
+
+def _spec(aval: Any, kind: str) -> jax.ShapeDtypeStruct:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
