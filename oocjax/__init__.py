@@ -1,7 +1,7 @@
 """oocjax: out-of-core training for JAX.
 
 ``ooc_jit`` is a drop-in for ``jax.jit`` that fits a training step in a device-memory budget by
-moving tensors to host memory and back at planned points, inside one compiled XLA program.
+moving tensors to host memory and back at planned points, between separately compiled segments.
 
 The JAX-facing API is imported on first use, so ``import oocjax`` (and the pure-Python planner in
 ``oocjax.schedule``) stays cheap and free of jax until it is needed.
@@ -15,12 +15,20 @@ from typing import TYPE_CHECKING
 from oocjax.errors import BudgetInfeasibleError, OocError, UnsupportedPrimitiveError
 
 if TYPE_CHECKING:
-    from oocjax.api import OocJitted, Plan, ooc_jit
+    from oocjax.api import OocJitted, Plan, ooc_jit, to_device
 
 __version__ = "0.1.0"
-__all__ = ["BudgetInfeasibleError", "OocError", "OocJitted", "Plan", "UnsupportedPrimitiveError", "ooc_jit"]
+__all__ = [
+    "BudgetInfeasibleError",
+    "OocError",
+    "OocJitted",
+    "Plan",
+    "UnsupportedPrimitiveError",
+    "ooc_jit",
+    "to_device",
+]
 
-_LAZY = {"ooc_jit": "oocjax.api", "OocJitted": "oocjax.api", "Plan": "oocjax.api"}
+_LAZY = {"ooc_jit": "oocjax.api", "OocJitted": "oocjax.api", "Plan": "oocjax.api", "to_device": "oocjax.api"}
 
 
 def __getattr__(name: str):

@@ -289,10 +289,35 @@ def _worst_segment(program: Program, segment: Segment, cost: SegmentCost) -> str
     )
 
 
+def to_device(tree: Any) -> Any:
+    """``tree`` with every leaf kept in host memory (state an ``ooc_jit`` plan keeps there) moved to
+    device memory, e.g. to evaluate the trained parameters with ``jax.jit``.
+
+    Raises ``OocError`` when the device reports less free memory than those leaves need: keep
+    using them through ``ooc_jit`` then.
+
+    >>> import jax.numpy as jnp
+    >>> to_device({"w": jnp.ones(2)})["w"].sharding.memory_kind
+    'device'
+    """
+    needed = sum(x.nbytes for x in jax.tree.leaves(tree) if _memory_kind(x) == "pinned_host")
+    stats = jax.devices()[0].memory_stats()
+    if stats and "bytes_limit" in stats and needed > stats["bytes_limit"] - stats.get("bytes_in_use", 0):
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        raise OocError(
+            f"to_device: the host-kept leaves need {format_bytes(needed)} on the device, which has "
+            f"{format_bytes(free)} free. Keep using them through ooc_jit (a step that reads them in "
+            "pieces), or free device memory first."
+        )
+    return jax.tree.map(_device_if_on_host, tree)
+
+
+def _memory_kind(x: Any) -> str | None:
+    return getattr(getattr(x, "sharding", None), "memory_kind", None)
+
+
 def _device_if_on_host(x: Any) -> Any:
-    if getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host":
-        return jax.device_put(x, _sharding("device"))
-    return x
+    return jax.device_put(x, _sharding("device")) if _memory_kind(x) == "pinned_host" else x
 
 
 def _sharding(kind: str) -> jax.sharding.Sharding:

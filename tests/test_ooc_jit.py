@@ -10,7 +10,7 @@ import pytest
 
 import oocjax.api
 import oocjax.transforms.execute
-from oocjax import BudgetInfeasibleError, OocError, UnsupportedPrimitiveError, ooc_jit
+from oocjax import BudgetInfeasibleError, OocError, UnsupportedPrimitiveError, ooc_jit, to_device
 
 KiB = 1024
 
@@ -269,3 +269,44 @@ def test_segment_costs_are_read_from_xla_memory_analysis():
             stats.output_size_in_bytes,
             stats.alias_size_in_bytes,
         )
+
+
+# -- state kept on host, as a user meets it next -----------------------------------------------------
+
+
+def test_state_returned_on_host_works_everywhere_a_user_passes_it_next():
+    step = tight_step(donate_argnums=(0,))
+    params, _ = step([p.copy() for p in PARAMS], X)
+    assert "pinned_host" in {p.sharding.memory_kind for p in params}
+    trained = jax.jit(mlp_step)(PARAMS, X)[0]  # the same parameters, as jax.jit computes them
+
+    def expected_loss(x):
+        return jax.jit(mlp_step)(trained, x)[1]
+
+    # The same step with a new batch size (a new signature, traced again), and its plan.
+    _, loss = step([p.copy() for p in params], X[:128])
+    np.testing.assert_allclose(loss, expected_loss(X[:128]), rtol=1e-5)
+    assert step.plan(params, X[:64]).budget_bytes == step.budget_bytes
+    # A new static value, and a fresh ooc_jit.
+    scaled = ooc_jit(
+        lambda ps, x, scale: mlp_step(ps, x * scale),
+        budget=step.budget_bytes,
+        static_argnums=2,
+        min_offload_bytes=4 * KiB,
+    )
+    np.testing.assert_allclose(scaled(params, X, 1.0)[1], expected_loss(X), rtol=1e-5)
+    np.testing.assert_allclose(ooc_jit(mlp_step, budget="1GiB")(params, X)[1], expected_loss(X), rtol=1e-5)
+    # jax.jit itself refuses host memory in arithmetic: to_device brings the state back.
+    evaluate = jax.jit(lambda ps, x: mlp_step(ps, x)[1])
+    with pytest.raises(Exception, match=r"memory_space|memory space|memory kind"):
+        evaluate(params, X)
+    on_device = to_device(params)
+    assert {p.sharding.memory_kind for p in on_device} == {"device"}
+    np.testing.assert_allclose(evaluate(on_device, X), expected_loss(X), rtol=1e-5)
+
+
+def test_a_function_returning_its_argument_returns_it_on_the_device_as_jax_jit_does():
+    host = jax.device_put(X, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
+    assert jax.jit(lambda x: x)(X).sharding.memory_kind == "device"
+    assert ooc_jit(lambda x: x, budget="1GiB")(host).sharding.memory_kind == "device"
+    assert ooc_jit(lambda x: x, budget="1GiB")(X).sharding.memory_kind == "device"
