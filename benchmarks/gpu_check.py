@@ -151,6 +151,8 @@ def run_step(config: dict) -> dict:
             host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
             state = jax.block_until_ready(jax.device_put(state, host))
             record["state_starts_in"] = "pinned_host"
+            # The runtime peak cannot be reset: record what initialisation and planning reached.
+            record["peak_before_steps_bytes"] = _memory_stat(device, "peak_bytes_in_use")
         else:
             policy = {
                 "jax_jit": None,
@@ -173,9 +175,10 @@ def run_step(config: dict) -> dict:
             }
         phase = "steps"
         losses, times = [], []
-        for _ in range(config["loss_steps"]):  # the first one compiles (ooc_jit) or warms up
+        for i in range(config["loss_steps"]):  # the first one compiles (ooc_jit) or warms up
             started = time.perf_counter()
-            state, loss = step(state, batch)
+            with _boundaries_sampled(device, record) if strategy == "ooc_jit" and i == 1 else contextlib.nullcontext():
+                state, loss = step(state, batch)
             losses.append(float(loss))
             times.append(time.perf_counter() - started)
         record |= dict(losses=losses, first_step_s=times[0])
@@ -192,6 +195,31 @@ def run_step(config: dict) -> dict:
         record |= dict(error=text[:3000], phase=phase, oom=is_oom(text))
     record["runtime_peak_bytes"] = _memory_stat(device, "peak_bytes_in_use")
     return record
+
+
+@contextlib.contextmanager
+def _boundaries_sampled(device, record: dict):
+    """During one ooc_jit step, at every segment launch: the allocator's bytes in use against the
+    executor's own account (held + in flight), and with the launch's own bytes added. On a CPU the
+    allocator reports nothing and this records nothing."""
+    from oocjax.transforms.execute import observe_segments
+
+    worst = dict(in_use_over_account_bytes=None, in_use_plus_launch_bytes=None, segment=None)
+
+    def sample(launch) -> None:
+        in_use = _memory_stat(device, "bytes_in_use")
+        if in_use is None:
+            return
+        over = in_use - launch.held_bytes - launch.in_flight_bytes
+        if worst["in_use_over_account_bytes"] is None or over > worst["in_use_over_account_bytes"]:
+            worst["in_use_over_account_bytes"] = over
+        total = in_use + launch.cost.launch_bytes
+        if worst["in_use_plus_launch_bytes"] is None or total > worst["in_use_plus_launch_bytes"]:
+            worst.update(in_use_plus_launch_bytes=total, segment=launch.segment)
+
+    with observe_segments(sample):
+        yield
+    record["boundaries"] = worst
 
 
 def link_probe(megabytes: int = 1024, repeats: int = 5) -> dict:

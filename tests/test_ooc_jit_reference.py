@@ -60,9 +60,9 @@ def device_bytes_at_each_boundary(step, state, batch) -> tuple[list, list[tuple[
     callers = {id(x) for x in jax.live_arrays()} - arguments
     samples = []
 
-    def sample(index, cost):
+    def sample(launch):
         live = {id(x): x for x in jax.live_arrays() if x.sharding.memory_kind == "device" and id(x) not in callers}
-        samples.append((sum(x.nbytes for x in live.values()), cost.launch_bytes))
+        samples.append((sum(x.nbytes for x in live.values()), launch.cost.launch_bytes))
 
     with observe_segments(sample):
         result = step(state, batch)

@@ -24,6 +24,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -31,13 +32,31 @@ import jax
 from oocjax.schedule.segments import SegmentCost
 from oocjax.transforms import _compat as jc
 
-_observer: Callable[[int, SegmentCost], None] | None = None
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Launch:
+    """A segment about to be launched, as the executor accounts for it.
+
+    Attributes:
+      segment: its index.
+      cost: its compiled program's own memory.
+      held_bytes: device bytes of the arrays the executor references now.
+      in_flight_bytes: device bytes it has let go of that work still enqueued may be using.
+    """
+
+    segment: int
+    cost: SegmentCost
+    held_bytes: int
+    in_flight_bytes: int
+
+
+_observer: Callable[[Launch], None] | None = None
 
 
 @contextlib.contextmanager
-def observe_segments(callback: Callable[[int, SegmentCost], None]) -> Iterator[None]:
-    """Calls ``callback(index, cost)`` just before each segment is launched (for tests and tools
-    that sample memory, e.g. ``jax.live_arrays()``, at every boundary)."""
+def observe_segments(callback: Callable[[Launch], None]) -> Iterator[None]:
+    """Calls ``callback(launch)`` just before each segment is launched (for tests and tools that
+    sample memory, e.g. ``jax.live_arrays()`` or ``memory_stats()``, at every boundary)."""
     global _observer
     previous, _observer = _observer, callback
     try:
@@ -104,13 +123,19 @@ def _cost(compiled: Any) -> SegmentCost:
 
 
 class _DeviceMemory:
-    """What the executor holds on the device and what it has let go of but may still be in use."""
+    """What the executor holds on the device and what it has let go of but may still be in use.
+
+    What is in flight outlives a call: the next step's first launches are enqueued while the last
+    one's tail may still run, so ``pending`` carries over from call to call."""
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
-        self.held = 0
         self.pending_bytes = 0
         self.pending: deque[list] = deque()  # [ready probe or None, bytes], oldest first
+        self.start_call()
+
+    def start_call(self) -> None:
+        self.held = 0
         self.references: dict[int, int] = {}  # id(array) -> variables naming it
         self.owned: set[int] = set()  # ids of arrays the executor made (not arguments or constants)
 
@@ -195,12 +220,13 @@ class ChainExecutor:
             if isinstance(v, jc.Var):
                 self.last_use[v] = len(jaxpr.eqns)  # returned: never dropped
         self.host, self.device = _sharding("pinned_host"), _sharding("device")
+        self.memory = _DeviceMemory(budget_bytes)
 
     def __call__(self, arguments: list[Any]) -> list[Any]:
         """Runs the chain on the flat arguments, taking the list over: it is emptied, so that no
         argument outlives its last use here."""
-        jaxpr = self.chain.jaxpr
-        memory = _DeviceMemory(self.budget_bytes)
+        jaxpr, memory = self.chain.jaxpr, self.memory
+        memory.start_call()
         env: dict[Any, Any] = {}
 
         def write(v: Any, x: Any, owned: bool = True) -> None:
@@ -222,7 +248,9 @@ class ChainExecutor:
                 cost = self.costs[segment]
                 memory.make_room(cost.launch_bytes)
                 if _observer is not None:
-                    _observer(segment, cost)
+                    _observer(
+                        Launch(segment=segment, cost=cost, held_bytes=memory.held, in_flight_bytes=memory.pending_bytes)
+                    )
                 outvals = self.programs[segment](*invals)
                 donated = [x for x, d in zip(invals, eqn.params["donated_invars"]) if d]
                 if donated:
