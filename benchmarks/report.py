@@ -45,7 +45,36 @@ def section() -> str:
         lines += [
             f"**Planning against tracing** (`{name}`; {where(r)}): a {r['layers']}-layer GPT-2-style Flax step "
             f"({r['equations']:,} equations) traces in {r['trace_s']:.1f} s; analysis and planning take "
-            f"{r['analyse_s'] + r['planner_s']:.2f} s (ratio {r['ratio']:.2f}).",
+            f"{r['analyse_s'] + r['planner_s']:.2f} s"
+            + (
+                f", cutting it into {r['segments']} segments {r['segment_s']:.2f} s more (ratio {r['ratio']:.2f})."
+                if "segment_s" in r
+                else f" (ratio {r['ratio']:.2f})."
+            ),
+            "",
+        ]
+    found = latest("executor_overhead")
+    if found:
+        name, r = found
+        m, rows = r["model"], r["rows"]
+        costs = ", ".join(f"{row['segments']}: {row['vs_jit']:.2f}x" for row in rows)
+        lines += [
+            f"**Executor overhead** (`{name}`; {where(r)}): a {m['layers']}-layer MLP step ({m['width']} wide, "
+            f"batch {m['batch']}) takes {r['jit_s_per_step'] * 1e3:.1f} ms under `jax.jit`; forced into N segments "
+            f"with nothing to move, `ooc_jit` takes (N: time against `jax.jit`) {costs}; about "
+            f"{_median([row['us_per_segment'] for row in rows]):.0f} us per segment (median over N).",
+            "",
+        ]
+    found = latest("first_call")
+    if found:
+        name, r = found
+        rows = r["rows"]
+        worst = max(rows, key=lambda row: row["ratio"])
+        lines += [
+            f"**First call** (trace, plan, compile, run; `{name}`; {where(r)}): on the test zoo at 60% and 35% of "
+            f"the in-core estimate, `ooc_jit` takes {min(row['ratio'] for row in rows):.2f}x to "
+            f"{worst['ratio']:.2f}x `jax.jit`'s first call (worst: {worst['model']} at {worst['fraction']:.0%}, "
+            f"{worst['segments']} segments, {worst['ooc_s']:.2f} s against {worst['jit_s']:.2f} s).",
             "",
         ]
     found = latest("simulated")
@@ -81,6 +110,12 @@ def section() -> str:
             "**Measured on GPUs**: nothing yet; `benchmarks/gpu_check.py` records it where a GPU is available."
         )
     return "\n".join([BEGIN, *lines, END])
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def latest_gpu_check() -> tuple[str, dict] | None:

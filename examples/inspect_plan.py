@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -16,7 +18,7 @@
 #
 # `ooc_jit(step, budget=...).plan(*args)` plans a training step without running it. The plan explains
 # itself: a one-line `repr`, a text `summary()`, a memory timeline (`plot()`, or the inline SVG that
-# notebooks show), and the rewritten jaxpr with every transfer marked (`pretty_jaxpr()`).
+# notebooks show), and the step as it runs: segments with every transfer and wait (`pretty_jaxpr()`).
 #
 # Here: a small Flax CNN trained with Adam, planned at 60% and at 35% of its in-core estimate.
 
@@ -67,8 +69,8 @@ def train_step(state, batch):
 
 in_core = ooc_jit(train_step, budget=2**62).plan(state, batch).baseline_peak_bytes
 plans = {
-    fraction: ooc_jit(train_step, budget=int(in_core * fraction), min_offload_bytes=64 * 1024).plan(state, batch)
-    for fraction in (0.6, 0.35)
+    fraction: ooc_jit(train_step, budget=int(in_core * fraction), min_offload_bytes=16 * 1024).plan(state, batch)
+    for fraction in (0.6, 0.4)
 }
 print(plans)
 
@@ -78,7 +80,7 @@ print(plans)
 # equations), and the step time simulated on a PCIe H100.
 
 # %%
-print(plans[0.35].summary(profile="h100-pcie"))
+print(plans[0.4].summary(profile="h100-pcie"))
 
 # %% [markdown]
 # ## Memory over the program
@@ -97,15 +99,16 @@ for fraction, plan in plans.items():
 display(plans[0.6])
 
 # %% [markdown]
-# ## The rewritten program
-# Transfers are `device_put`s to host or device memory, pinned in place by `optimization_barrier`s.
+# ## The step as it runs
+# A chain of separately compiled segments; before each, the waits for offloads whose memory it
+# needs and the prefetches it reads; after it, the offloads of what it produced.
 
 # %%
-print("\n".join(line for line in plans[0.35].pretty_jaxpr().splitlines() if "#" in line)[:3000])
+print("\n".join(plans[0.4].pretty_jaxpr().splitlines()[:40]))
 
 # %% [markdown]
 # Plans can be saved next to experiment logs and loaded again (without the jaxprs).
 
 # %%
-saved = plans[0.35].to_json()
+saved = plans[0.4].to_json()
 Plan.from_json(saved)

@@ -100,6 +100,7 @@ def main() -> None:
     print(f"in-core estimate {format_bytes(in_core)}; budget {format_bytes(budget)}")
     print(plan.summary(profile="h100-pcie", largest=5))
     assert plan.peak_bytes <= budget and plan.offloads, "the budget should force offloading"
+    assert plan.executed_peak_bytes <= budget, "the compiled segments, as measured, fit the budget"
 
     batches = (copy_batch(jax.random.fold_in(key, i), args.batch) for i in range(args.steps))
     first = next(batches)

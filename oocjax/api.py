@@ -123,12 +123,12 @@ class OocJitted:
             return entry.run(*self._on_device(args), **self._on_device(kwargs))
         leaves = self._dynamic_leaves(args, kwargs)
         moved = [_to_memory(x, kind) for x, kind in zip(leaves, entry.input_kinds)]
-        for original, leaf, donated in zip(leaves, moved, entry.donated):
-            if donated and leaf is not original and isinstance(original, jax.Array):
-                original.delete()  # as jax.jit does with a donated argument; the copy keeps its own buffer
-        del leaves, original, leaf
-        # The executor takes the list over and empties it: an argument copy it drops is then freed.
-        return jax.tree.unflatten(entry.out_tree, entry.run(moved))
+        copies = [leaf is not original for original, leaf in zip(leaves, moved)]
+        _delete_donated_originals(leaves, copies, entry.donated)
+        del leaves
+        # The executor takes the list over and empties it, and deletes the copies made here at
+        # their last use: nothing else may hold their device memory.
+        return jax.tree.unflatten(entry.out_tree, entry.run(moved, copies))
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``s), without running the step.
@@ -266,6 +266,14 @@ class OocJitted:
         names = _parameter_names(self.fun)
         name = names[position] if position < len(names) else f"args[{position}]"
         return f"{name}{jax.tree_util.keystr(rest)}"
+
+
+def _delete_donated_originals(leaves: Sequence[Any], copies: Sequence[bool], donated: Sequence[bool]) -> None:
+    """As ``jax.jit`` does with a donated argument: a donated array that was copied to the memory
+    the plan wants it in is deleted (the copy has its own buffer)."""
+    for original, copied, gave in zip(leaves, copies, donated):
+        if copied and gave and isinstance(original, jax.Array):
+            original.delete()
 
 
 def _over_budget_message(budget: int, history: list[tuple[int, int]], smallest: int | None) -> str:

@@ -305,6 +305,15 @@ def test_state_returned_on_host_works_everywhere_a_user_passes_it_next():
     np.testing.assert_allclose(evaluate(on_device, X), expected_loss(X), rtol=1e-5)
 
 
+def test_a_donated_argument_moved_to_host_memory_is_deleted_as_jax_jit_deletes_donated_arguments():
+    step = tight_step(donate_argnums=(0,))
+    params = [p.copy() for p in PARAMS]
+    kinds = step.plan(params, X).input_kinds
+    step(params, X)
+    moved_to_host = [p for p, kind in zip(params, kinds) if kind == "pinned_host"]
+    assert moved_to_host and all(p.is_deleted() for p in moved_to_host)
+
+
 def test_a_function_returning_its_argument_returns_it_on_the_device_as_jax_jit_does():
     host = jax.device_put(X, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host"))
     assert jax.jit(lambda x: x)(X).sharding.memory_kind == "device"

@@ -91,7 +91,7 @@ def test_ooc_jit_trains_like_jax_jit_within_the_budget(name, fraction):
 
     state = fresh(case.state)
     for i, (batch, expected) in enumerate(zip(case.batches, reference_run(name))):
-        if fraction < 1 and i == 1:  # state as the previous step returned it: kept on host where planned
+        if fraction < 1 and i < 2:  # state as the test made it (on the device), then as the step returned it
             (state, metrics), samples = device_bytes_at_each_boundary(step, state, batch)
             assert len(samples) == len(plan.segments)
             assert max(held + launch for held, launch in samples) <= budget, samples

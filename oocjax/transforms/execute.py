@@ -222,9 +222,10 @@ class ChainExecutor:
         self.host, self.device = _sharding("pinned_host"), _sharding("device")
         self.memory = _DeviceMemory(budget_bytes)
 
-    def __call__(self, arguments: list[Any]) -> list[Any]:
+    def __call__(self, arguments: list[Any], owned: Sequence[bool] = ()) -> list[Any]:
         """Runs the chain on the flat arguments, taking the list over: it is emptied, so that no
-        argument outlives its last use here."""
+        argument outlives its last use here. ``owned`` marks arguments that are copies made for
+        this call (moved to the memory the plan wants them in): deleted at their last use."""
         jaxpr, memory = self.chain.jaxpr, self.memory
         memory.start_call()
         env: dict[Any, Any] = {}
@@ -236,8 +237,9 @@ class ChainExecutor:
 
         for v, x in zip(jaxpr.constvars, self.chain.consts, strict=True):
             write(v, x, owned=False)
-        for v, x in zip(jaxpr.invars, arguments, strict=True):
-            write(v, x, owned=False)
+        owned = list(owned) or [False] * len(arguments)
+        for v, x, mine in zip(jaxpr.invars, arguments, owned, strict=True):
+            write(v, x, owned=mine)
         arguments.clear()
         del x
         segment = 0
