@@ -170,6 +170,7 @@ class OocJitted:
         options = dict(self.planner_options)
         min_segment_flops, min_segments = options.pop("min_segment_flops"), options.pop("min_segments", 1)
         planned_for, history, worst_text = self.budget_bytes, [], ""  # the budget stays; the program learns
+        compiled_programs: dict = {}  # shared across re-plans: a segment that did not change compiles once
         while True:
             try:
                 schedule = plan_window(program, planned_for, **options)
@@ -201,7 +202,7 @@ class OocJitted:
             )
             functions = segment_functions(flat, segments)
             chain = chain_jaxpr(chain_function(flat, schedule, segments, functions), flat, input_kinds)
-            programs, costs = compile_segments(chain, functions)
+            programs, costs = compile_segments(chain, functions, compiled_programs)
             peak, worst = executed_peak(segments, costs)
             history.append((planned_for, peak))
             if peak <= self.budget_bytes:

@@ -288,14 +288,16 @@ def executed_peak(segments: tuple[Segment, ...], costs: tuple[SegmentCost, ...])
 def with_measured_scratch(
     program: Program, segments: tuple[Segment, ...], costs: tuple[SegmentCost, ...], budget_bytes: int
 ) -> Program:
-    """``program`` with the memory its compiled segments need beyond the estimate, where that broke
-    the budget, added as scratch of their steps: planned again, less is held around them."""
+    """``program`` with the memory its compiled segments need beyond the estimate added as scratch
+    of their steps: planned again, less is held around them. Every underestimate is fed back, not
+    only those that broke the budget, so that the next plan does not meet them one by one."""
     transient = [step.transient_bytes for step in program.steps]
     for segment, cost in zip(segments, costs, strict=True):
-        if segment.held_bytes + cost.launch_bytes <= budget_bytes:
+        excess = cost.launch_bytes - (segment.estimate_bytes - segment.held_bytes)
+        if segment.held_bytes + cost.launch_bytes > budget_bytes:
+            excess = max(excess, segment.held_bytes + cost.launch_bytes - budget_bytes)
+        if excess <= 0:
             continue
-        excess = max(cost.launch_bytes - (segment.estimate_bytes - segment.held_bytes), 0)
-        excess = excess or segment.held_bytes + cost.launch_bytes - budget_bytes
         for k in range(segment.start, segment.stop):
             transient[k] += excess
     steps = tuple(

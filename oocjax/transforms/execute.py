@@ -86,30 +86,34 @@ def segment_specs(chain: jc.ClosedJaxpr) -> list[list[jax.ShapeDtypeStruct]]:
     ]
 
 
-def compile_segments(chain: jc.ClosedJaxpr, functions: Sequence[Callable]) -> tuple[list[Any], list[SegmentCost]]:
+def compile_segments(
+    chain: jc.ClosedJaxpr, functions: Sequence[Callable], cache: dict | None = None
+) -> tuple[list[Any], list[SegmentCost]]:
     """One compiled program per segment of ``chain``; segments with the same jaxpr, donation and
-    argument types share one. Distinct programs compile in parallel threads (XLA releases the GIL)."""
+    argument types share one, also with the programs in ``cache`` (from an earlier plan of the
+    same step), which gains the new ones. Distinct programs compile in parallel threads (XLA
+    releases the GIL while it compiles)."""
+    cache = {} if cache is None else cache
     with warnings.catch_warnings():
         # A donated argument no output can reuse is still freed after the segment: not worth a warning.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        return _compile_segments(chain, functions)
+        return _compile_segments(chain, functions, cache)
 
 
-def _compile_segments(chain: jc.ClosedJaxpr, functions: Sequence[Callable]) -> tuple[list[Any], list[SegmentCost]]:
+def _compile_segments(chain: jc.ClosedJaxpr, functions: Sequence[Callable], cache: dict) -> tuple[list, list]:
     calls = [eqn for eqn in chain.jaxpr.eqns if eqn.primitive is jc.jit_p]
-    first_of: dict[Any, int] = {}
-    lowered: dict[int, Any] = {}
-    shared_with: list[int] = []
-    for index, (eqn, function, specs) in enumerate(zip(calls, functions, segment_specs(chain), strict=True)):
+    keys, lowered = [], {}
+    for eqn, function, specs in zip(calls, functions, segment_specs(chain), strict=True):
         body = eqn.params["jaxpr"]
+        # The printed jaxpr holds every shape, primitive, parameter and literal; constants are not
+        # printed, so their identities are part of the key.
         key = (str(body.jaxpr), tuple(map(id, body.consts)), eqn.params["donated_invars"])
-        if key not in first_of:
-            first_of[key] = index
-            lowered[index] = function.trace(*specs).lower()
-        shared_with.append(first_of[key])
+        if key not in cache and key not in lowered:
+            lowered[key] = function.trace(*specs).lower()
+        keys.append(key)
     with ThreadPoolExecutor() as pool:
-        compiled = dict(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
-    programs = [compiled[i] for i in shared_with]
+        cache.update(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+    programs = [cache[key] for key in keys]
     return programs, [_cost(program) for program in programs]
 
 
