@@ -182,6 +182,9 @@ def gpu_check_lines(name: str, r: dict) -> list[str]:
         ratio = f"{c['vs_jax_jit']:.2f}x" if c.get("vs_jax_jit") else "-"
         step = f"{c['s_per_step']:.3f}" if c.get("s_per_step") else "-"
         lines.append(f"| {label} | {cap} | {budget} | {peak} | {step} | {ratio} | {losses} |")
+    notes = [f"`{x['configuration']}`: {x['run_note']}." for x in r["results"] if x.get("run_note")]
+    if notes:
+        lines += ["", "Rows taken from another run: " + " ".join(notes)]
     link = r.get("link") or {}
     if link.get("jitted"):
         eager = ", ".join(
