@@ -29,6 +29,7 @@ from oocjax.schedule import Program, format_bytes, plan_window, required_bytes
 from oocjax.schedule.segments import Segment, SegmentCost, cut_segments, executed_peak, with_measured_scratch
 from oocjax.transforms.analyse import flatten, to_program
 from oocjax.transforms.execute import ChainExecutor, compile_segments, segment_specs
+from oocjax.transforms.memories import abstract, memory_kind, sharding, spec
 from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
 
 PLANNER_OPTIONS = ("window_bytes", "min_offload_bytes", "min_segment_flops", "min_segments")
@@ -120,7 +121,10 @@ class OocJitted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         entry = self._entry(args, kwargs)
         if not entry.flat_call:
-            return entry.run(*self._on_device(args), **self._on_device(kwargs))
+            if any(memory_kind(x) == "pinned_host" for x in self._dynamic_leaves(args, kwargs)):
+                # jax.jit refuses arithmetic on host memory: host-kept state goes to the device first.
+                args, kwargs = self._map_dynamic(_device_if_on_host, args, kwargs)
+            return entry.run(*args, **kwargs)
         leaves = self._dynamic_leaves(args, kwargs)
         moved = [_to_memory(x, kind) for x, kind in zip(leaves, entry.input_kinds)]
         copies = [leaf is not original for original, leaf in zip(leaves, moved)]
@@ -233,7 +237,7 @@ class OocJitted:
         statics = tuple(args[i] for i in self.static_argnums if i < len(args))
         statics += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
         leaves, tree = jax.tree.flatten(self._dynamic(args, kwargs))
-        return statics, tree, tuple(_abstract(x) for x in leaves)
+        return statics, tree, tuple(abstract(x) for x in leaves)
 
     def _dynamic(self, args: tuple, kwargs: dict) -> tuple:
         dynamic_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
@@ -249,13 +253,7 @@ class OocJitted:
     def _specs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Abstract arguments on the device, whatever memory the real ones are in: a step traces the
         same for state kept on host as for state on the device."""
-        return self._map_dynamic(lambda x: _spec(x, "device"), args, kwargs)
-
-    def _on_device(self, tree: Any) -> Any:
-        """Arguments in host memory (state a plan kept there) moved to the device for ``jax.jit``."""
-        if isinstance(tree, dict):
-            return self._map_dynamic(_device_if_on_host, (), tree)[1]
-        return self._map_dynamic(_device_if_on_host, tree, {})[0]
+        return self._map_dynamic(lambda x: spec(x, "device"), args, kwargs)
 
     def _argument_label(self, path: tuple, args: tuple) -> str:
         """``state['params']['w']`` for a leaf of the first argument named ``state``."""
@@ -309,7 +307,7 @@ def to_device(tree: Any) -> Any:
     >>> to_device({"w": jnp.ones(2)})["w"].sharding.memory_kind
     'device'
     """
-    needed = sum(x.nbytes for x in jax.tree.leaves(tree) if _memory_kind(x) == "pinned_host")
+    needed = sum(x.nbytes for x in jax.tree.leaves(tree) if memory_kind(x) == "pinned_host")
     stats = jax.devices()[0].memory_stats()
     if stats and "bytes_limit" in stats and needed > stats["bytes_limit"] - stats.get("bytes_in_use", 0):
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -321,35 +319,15 @@ def to_device(tree: Any) -> Any:
     return jax.tree.map(_device_if_on_host, tree)
 
 
-def _memory_kind(x: Any) -> str | None:
-    return getattr(getattr(x, "sharding", None), "memory_kind", None)
-
-
 def _device_if_on_host(x: Any) -> Any:
-    return jax.device_put(x, _sharding("device")) if _memory_kind(x) == "pinned_host" else x
-
-
-def _sharding(kind: str) -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    return jax.device_put(x, sharding("device")) if memory_kind(x) == "pinned_host" else x
 
 
 def _to_memory(x: Any, kind: str) -> Any:
     """Moves an argument to the memory the plan expects it in, if it is elsewhere."""
-    if getattr(getattr(x, "sharding", None), "memory_kind", None) == kind:
+    if memory_kind(x) == kind:
         return x
-    return jax.device_put(x, _sharding(kind))
-
-
-def _spec(x: Any, kind: str) -> jax.ShapeDtypeStruct:
-    shape, dtype, weak_type = _abstract(x)
-    return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type, sharding=_sharding(kind))
-
-
-def _abstract(x: Any) -> tuple:
-    """Shape, dtype and weak type of an array, a Python scalar, an aval or a ``ShapeDtypeStruct``."""
-    if not hasattr(x, "weak_type"):
-        x = jax.typeof(x)
-    return tuple(x.shape), x.dtype, bool(x.weak_type)
+    return jax.device_put(x, sharding(kind))
 
 
 def _as_tuple(x: int | str | Sequence) -> tuple:

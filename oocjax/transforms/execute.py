@@ -31,6 +31,7 @@ import jax
 
 from oocjax.schedule.segments import SegmentCost
 from oocjax.transforms import _compat as jc
+from oocjax.transforms.memories import memory_kind, sharding, spec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,25 +66,9 @@ def observe_segments(callback: Callable[[Launch], None]) -> Iterator[None]:
         _observer = previous
 
 
-def _sharding(kind: str) -> jax.sharding.Sharding:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
-
-
-def _memory_kind(x: Any) -> str | None:
-    return getattr(getattr(x, "sharding", None), "memory_kind", None)
-
-
 def segment_specs(chain: jc.ClosedJaxpr) -> list[list[jax.ShapeDtypeStruct]]:
     """Per segment call of ``chain``, its arguments' types, on the device."""
-    device = _sharding("device")
-    return [
-        [
-            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type, sharding=device)
-            for v in eqn.invars
-        ]
-        for eqn in chain.jaxpr.eqns
-        if eqn.primitive is jc.jit_p
-    ]
+    return [[spec(v.aval, "device") for v in eqn.invars] for eqn in chain.jaxpr.eqns if eqn.primitive is jc.jit_p]
 
 
 def compile_segments(
@@ -144,7 +129,7 @@ class _DeviceMemory:
         self.owned: set[int] = set()  # ids of arrays the executor made (not arguments or constants)
 
     def hold(self, x: Any, *, owned: bool) -> None:
-        if _memory_kind(x) != "device":
+        if memory_kind(x) != "device":
             return
         key = id(x)
         if key not in self.references:
@@ -223,7 +208,7 @@ class ChainExecutor:
         for v in jaxpr.outvars:
             if isinstance(v, jc.Var):
                 self.last_use[v] = len(jaxpr.eqns)  # returned: never dropped
-        self.host, self.device = _sharding("pinned_host"), _sharding("device")
+        self.host, self.device = sharding("pinned_host"), sharding("device")
         self.memory = _DeviceMemory(budget_bytes)
 
     def __call__(self, arguments: list[Any], owned: Sequence[bool] = ()) -> list[Any]:

@@ -20,6 +20,7 @@ from oocjax.schedule import Schedule
 from oocjax.schedule.segments import Segment
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatProgram
+from oocjax.transforms.memories import sharding, spec
 
 Host = jax.memory.Space.Host
 Device = jax.memory.Space.Device
@@ -43,7 +44,7 @@ def _segment_function(flat: FlatProgram, index: int, segment: Segment) -> Callab
 
     run.__name__ = run.__qualname__ = f"segment_{index}"
     donated = tuple(i for i, b in enumerate(segment.inputs) if b in segment.donated)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device")
+    device = sharding("device")
     return jax.jit(run, donate_argnums=donated, in_shardings=device, out_shardings=device, keep_unused=True)
 
 
@@ -78,10 +79,4 @@ def chain_function(
 
 def chain_jaxpr(chain: Callable, flat: FlatProgram, input_kinds: Sequence[str]) -> jc.ClosedJaxpr:
     """The chain traced over the step's flat argument types."""
-    specs = [_spec(aval, kind) for aval, kind in zip(flat.avals, input_kinds)]
-    return jax.make_jaxpr(chain)(*specs)
-
-
-def _spec(aval: Any, kind: str) -> jax.ShapeDtypeStruct:
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
+    return jax.make_jaxpr(chain)(*(spec(aval, kind) for aval, kind in zip(flat.avals, input_kinds)))
