@@ -18,7 +18,8 @@ A segment trades timing fidelity for dispatch cost, and memory for both:
   in halves until it fits (a one-step segment is the per-step model, which the plan fits).
 * **Cost.** A segment whose work is under ``min_segment_flops`` is merged with the next one where
   no offload would have to be waited for inside it and the merged segment still fits: launching a
-  program costs tens of microseconds, which small segments cannot hide.
+  program costs tens of microseconds, which small segments cannot hide. A prefetch the merge leaves
+  inside the segment is issued at its start if the segment reads it, else at the next boundary.
 
 ``executed_peak`` gives the peak of the chain from the programs' measured sizes.
 """
@@ -89,6 +90,7 @@ class _Residency:
     end: int
     prefetched: bool
     offloaded: bool = False
+    first_use: int = -1  # the first step that reads this stay (-1: none)
 
     def needed_after(self, stop: int) -> bool:
         """Whether a segment ending before step ``stop`` must hand this stay on (as a result)."""
@@ -115,7 +117,8 @@ def residencies(program: Program, schedule: Schedule) -> list[_Residency]:
         on_device_at_end = buffer.is_output and b not in schedule.host_outputs
         for j, start in enumerate(starts):
             following = starts[j + 1] if j + 1 < len(starts) else n
-            end = max([start, *(r for r in reads if start <= r < following)])
+            served = [r for r in reads if start <= r < following]
+            end = max([start, *served])
             offload = offload_of.get(b)
             offloaded = offload is not None and start <= offload.after_step < following
             if offloaded:
@@ -123,8 +126,16 @@ def residencies(program: Program, schedule: Schedule) -> list[_Residency]:
             last = j == len(starts) - 1
             if (last and on_device_at_end) or (start < 0 and held_for_whole_step(buffer, reads)):
                 end = n
-            stays.append(_Residency(b, start, end, j >= prefetched_from, offloaded))
+            stays.append(_Residency(b, start, end, j >= prefetched_from, offloaded, served[0] if served else -1))
     return stays
+
+
+def issued_before(stay: _Residency, a: int, y: int) -> bool:
+    """Whether a prefetched stay that starts in steps a..y-1 is issued before that segment: where
+    it was planned (its start is the segment's), or earlier where the segment reads it. A prefetch
+    a merge left inside a segment that does not read it waits for the next boundary instead,
+    which costs no memory and delays it by less than a small segment's work."""
+    return stay.start == a or stay.first_use < y
 
 
 class _Segmenter:
@@ -174,7 +185,8 @@ class _Segmenter:
             for stay in self.started_at[k]:
                 size = nbytes[stay.buffer]
                 if stay.prefetched:
-                    held += size  # issued at the segment's start
+                    if issued_before(stay, a, y):
+                        held += size
                 elif stay.needed_after(y):
                     external += size
                 else:
@@ -183,6 +195,16 @@ class _Segmenter:
             internal_peak = max(internal_peak, live + steps[k].transient_bytes)
             live -= ending.pop(k, 0)
         return held, held + external + internal_peak
+
+    def prefetches(self, a: int, y: int, previous: int | None) -> tuple[int, ...]:
+        """The buffers prefetched before steps a..y-1 run (``previous``: the start of the segment
+        before, whose deferred prefetches come here)."""
+        issued = [s for k in range(a, y) for s in self.started_at[k] if s.prefetched and issued_before(s, a, y)]
+        if previous is not None:
+            issued += [
+                s for k in range(previous + 1, a) for s in self.started_at[k] if s.prefetched and s.first_use >= a
+            ]
+        return tuple(s.buffer for s in issued)
 
     def flops(self, a: int, y: int) -> int:
         return sum(s.flops for s in self.program.steps[a:y])
@@ -193,7 +215,7 @@ class _Segmenter:
         middle = (a + y) // 2
         return self.split_to_fit(a, middle, budget) + self.split_to_fit(middle, y, budget)
 
-    def segment(self, a: int, y: int) -> Segment:
+    def segment(self, a: int, y: int, previous: int | None) -> Segment:
         program, schedule = self.program, self.schedule
         steps = program.steps[a:y]
         defined_here = {b for step in steps for b in step.writes}
@@ -210,7 +232,7 @@ class _Segmenter:
                 for m in sorted(self.offload_of.values(), key=lambda m: m.after_step)
                 if m.done_before_step is not None and a <= m.done_before_step < y
             ),
-            prefetches=tuple(m.buffer for m in schedule.prefetches if a <= m.issue_step < y),
+            prefetches=self.prefetches(a, y, previous),
             offloads=tuple(m.buffer for m in schedule.offloads if a <= m.after_step < y),
             held_bytes=held,
             estimate_bytes=estimate,
@@ -258,7 +280,8 @@ def cut_segments(
     ranges = [r for a, y in pairwise(bounds) for r in cutter.split_to_fit(a, y, budget_bytes)]
     if min_segments <= 1:
         ranges = _merge_small(cutter, ranges, budget_bytes, min_segment_flops)
-    return tuple(cutter.segment(a, y) for a, y in ranges)
+    starts = [None, *(a for a, _ in ranges)]
+    return tuple(cutter.segment(a, y, previous) for (a, y), previous in zip(ranges, starts))
 
 
 def _merge_small(
