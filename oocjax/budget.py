@@ -1,15 +1,18 @@
-"""Reading the ``budget`` users give to ``ooc_jit``."""
+"""Reading the sizes users give to ``ooc_jit``: the budget, and byte-sized planner options."""
 
 from __future__ import annotations
 
+import numbers
+import re
 from typing import Any
 
 from oocjax.schedule import parse_bytes
 
 ACCEPTED = (
     "an int number of bytes, a string with units ('512MiB', '1.5GB', '12GiB'), "
-    "or a fraction of the device's memory (0.8 or '80%')"
+    "or a fraction of the device's memory (0.8, '0.8' or '80%')"
 )
+_PLAIN_NUMBER = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$")
 
 
 def resolve_budget(budget: int | float | str, device: Any) -> int:
@@ -18,25 +21,48 @@ def resolve_budget(budget: int | float | str, device: Any) -> int:
     >>> resolve_budget("1.5KiB", device=None)
     1536
     """
-    if isinstance(budget, bool) or not isinstance(budget, (int, float, str)):
-        raise TypeError(f"budget must be {ACCEPTED}; got {budget!r}")
-    if isinstance(budget, str) and budget.strip().endswith("%"):
-        try:
-            fraction = float(budget.strip()[:-1]) / 100
-        except ValueError:
-            raise ValueError(f"cannot read budget {budget!r}: it must be {ACCEPTED}") from None
-        return _fraction_of_device(fraction, device, budget)
-    if isinstance(budget, float):
+    if isinstance(budget, str):
+        text = budget.strip()
+        if text.endswith("%"):
+            return _fraction_of_device(_number(text[:-1], budget) / 100, device, budget)
+        if _PLAIN_NUMBER.match(text) and not text.isdigit():
+            # "0.8" is a fraction, as 0.8 is; "1.5" is neither a fraction nor a whole number of bytes.
+            return _fraction_of_device(_number(text, budget), device, budget)
+    if isinstance(budget, numbers.Real) and not isinstance(budget, numbers.Integral):  # 0.8, np.float32(0.8)
         return _fraction_of_device(budget, device, budget)
-    nbytes = parse_bytes(budget) if isinstance(budget, str) else budget
-    if nbytes <= 0:
-        raise ValueError(f"budget must be positive; got {budget!r}")
+    return resolve_bytes("budget", budget)
+
+
+def resolve_bytes(option: str, value: Any, *, allow_zero: bool = False) -> int:
+    """A size in bytes: an integer of any integer type, or a string with units (``"1MiB"``)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
+        raise TypeError(f"{option} must be {_bytes_accepted(option)}; got {value!r}")
+    try:
+        nbytes = parse_bytes(value) if isinstance(value, str) else int(value)
+    except ValueError as error:
+        raise ValueError(f"{option}: {error}") from None
+    if nbytes < 0 or (nbytes == 0 and not allow_zero):
+        raise ValueError(f"{option} must be {'non-negative' if allow_zero else 'positive'}; got {value!r}")
     return nbytes
+
+
+def _bytes_accepted(option: str) -> str:
+    return ACCEPTED if option == "budget" else "an int number of bytes or a string with units ('1MiB', '1.5GB')"
+
+
+def _number(text: str, given: Any) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"cannot read budget {given!r}: it must be {ACCEPTED}") from None
 
 
 def _fraction_of_device(fraction: float, device: Any, given: Any) -> int:
     if not 0 < fraction <= 1:
-        raise ValueError(f"a fractional budget must be in (0, 1] (or '1%' to '100%'); got {given!r}")
+        raise ValueError(
+            f"a fractional budget must be in (0, 1] (or '1%' to '100%'); got {given!r}. "
+            "For bytes give an int or units: budget='1.5GiB'"
+        )
     stats = device.memory_stats() if device is not None else None
     if not stats or "bytes_limit" not in stats:
         platform = getattr(device, "platform", "this device")
@@ -44,4 +70,4 @@ def _fraction_of_device(fraction: float, device: Any, given: Any) -> int:
             f"budget {given!r} is a fraction of device memory, but {platform} does not report its memory "
             "size (CPUs do not): give the budget in bytes instead, e.g. budget='2GiB'"
         )
-    return int(stats["bytes_limit"] * fraction)
+    return int(stats["bytes_limit"] * float(fraction))

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import oocjax.api
+import oocjax.pipeline
 import oocjax.transforms.execute
 from oocjax import BudgetInfeasibleError, OocError, UnsupportedPrimitiveError, ooc_jit, to_device
 
@@ -37,7 +38,7 @@ def tight_step(**kw):
 
 def test_a_second_call_with_the_same_shapes_neither_traces_nor_plans(monkeypatch):
     traces, plans = [], []
-    real_plan_window = oocjax.api.plan_window
+    real_plan_window = oocjax.pipeline.plan_window
 
     def counting_step(params, x):
         traces.append(1)
@@ -47,7 +48,7 @@ def test_a_second_call_with_the_same_shapes_neither_traces_nor_plans(monkeypatch
         plans.append(1)
         return real_plan_window(*args, **kwargs)
 
-    monkeypatch.setattr(oocjax.api, "plan_window", counting_plan_window)
+    monkeypatch.setattr(oocjax.pipeline, "plan_window", counting_plan_window)
     in_core = ooc_jit(mlp_step, budget=2**62).plan(PARAMS, X).baseline_peak_bytes
     step = ooc_jit(counting_step, budget=in_core // 2, min_offload_bytes=4 * KiB)
     params, _ = step(PARAMS, X)

@@ -1,0 +1,136 @@
+"""A step's arguments as ``jax.jit`` reads them: which are static, what identifies a signature, the
+abstract types to trace with, and a label for every leaf. Errors read as ``jax.jit``'s do."""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from oocjax.transforms.memories import abstract, spec
+
+
+@dataclass(frozen=True, slots=True)
+class ArgumentSpec:
+    """How a step's arguments split into static and dynamic ones, with both static spellings
+    (position and name) resolved, as ``jax.jit`` does."""
+
+    fun: Callable
+    static_argnums: tuple[int, ...]
+    static_argnames: tuple[str, ...]
+    donate_argnums: tuple[int, ...]
+
+    @classmethod
+    def of(cls, fun: Callable, static_argnums: Any, static_argnames: Any, donate_argnums: Any) -> ArgumentSpec:
+        argnums = _int_tuple("static_argnums", static_argnums)
+        argnames = _str_tuple("static_argnames", static_argnames)
+        names = parameter_names(fun)
+        nums = set(argnums) | {names.index(n) for n in argnames if n in names}
+        all_names = set(argnames) | {names[i] for i in argnums if 0 <= i < len(names)}
+        return cls(fun, tuple(sorted(nums)), tuple(sorted(all_names)), _int_tuple("donate_argnums", donate_argnums))
+
+    @property
+    def jit_kwargs(self) -> dict[str, Any]:
+        return dict(
+            static_argnums=self.static_argnums, static_argnames=self.static_argnames, donate_argnums=self.donate_argnums
+        )
+
+    def signature(self, args: tuple, kwargs: dict) -> Hashable:
+        """What a compiled step is cached under: static values (by name where the function names
+        them, so ``f(x, 3)`` and ``f(x, n=3)`` share one plan), the dynamic tree and its types."""
+        names = parameter_names(self.fun)
+        statics = {names[i] if i < len(names) else i: args[i] for i in self.static_argnums if i < len(args)}
+        statics |= {k: v for k, v in kwargs.items() if k in self.static_argnames}
+        key = tuple(sorted(statics.items(), key=lambda item: str(item[0])))
+        try:
+            hash(key)
+        except TypeError as error:
+            unhashable = next(k for k, v in key if not _hashable(v))
+            raise ValueError(
+                f"Non-hashable static arguments are not supported: static argument {unhashable!r} of "
+                f"{_name(self.fun)} is {type(dict(key)[unhashable]).__name__}, which cannot be hashed ({error}). "
+                "Pass it as a dynamic argument, or make it hashable (a tuple instead of a list, say)."
+            ) from None
+        dynamic = self.dynamic(args, kwargs)
+        leaves = jax.tree.flatten_with_path(dynamic)[0]
+        return key, jax.tree.structure(dynamic), tuple(self._abstract(p, x, len(args)) for p, x in leaves)
+
+    def _abstract(self, path: tuple, x: Any, num_args: int) -> tuple:
+        try:
+            return abstract(x)
+        except TypeError:
+            raise TypeError(
+                f"Error interpreting argument to {_name(self.fun)} as an abstract array. The problematic value is of "
+                f"type {type(x).__name__} and was passed to the function at path {self.label(path, num_args)}.\n"
+                "This typically means that a function wrapped by ooc_jit (as by jax.jit) was called with a "
+                "non-array argument, and this argument was not marked as static using static_argnums or "
+                "static_argnames."
+            ) from None
+
+    def dynamic(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        dynamic_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        return dynamic_args, {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+
+    def dynamic_leaves(self, args: tuple, kwargs: dict) -> list:
+        return jax.tree.leaves(self.dynamic(args, kwargs))
+
+    def map_dynamic(self, f: Callable, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args = tuple(a if i in self.static_argnums else jax.tree.map(f, a) for i, a in enumerate(args))
+        return args, {k: v if k in self.static_argnames else jax.tree.map(f, v) for k, v in kwargs.items()}
+
+    def device_specs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Abstract arguments on the device, whatever memory the real ones are in: a step traces the
+        same for state kept on host as for state on the device."""
+        return self.map_dynamic(lambda x: spec(x, "device"), args, kwargs)
+
+    def label(self, path: tuple, num_args: int) -> str:
+        """``state['params']['w']`` for a leaf (at ``path`` in ``jax.jit``'s ``args_info``) of the
+        argument named ``state``."""
+        group, first, rest = path[0], path[1], path[2:]
+        if group.idx == 1:  # keyword arguments
+            return f"{first.key}{jax.tree_util.keystr(rest)}"
+        position = [i for i in range(num_args) if i not in self.static_argnums][first.idx]
+        names = parameter_names(self.fun)
+        name = names[position] if position < len(names) else f"args[{position}]"
+        return f"{name}{jax.tree_util.keystr(rest)}"
+
+
+def parameter_names(fun: Callable) -> list[str]:
+    try:
+        parameters = inspect.signature(fun).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _int_tuple(option: str, value: Any) -> tuple[int, ...]:
+    values = (value,) if not isinstance(value, (tuple, list)) else tuple(value)
+    try:
+        return tuple(operator.index(v) for v in values)
+    except TypeError:
+        raise TypeError(
+            f"{option} must be an int or a sequence of ints (argument positions), as for jax.jit; got {value!r}"
+        ) from None
+
+
+def _str_tuple(option: str, value: Any) -> tuple[str, ...]:
+    values = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (tuple, list)) else None
+    if values is None or not all(isinstance(v, str) for v in values):
+        raise TypeError(f"{option} must be a str or a sequence of strs (argument names), as for jax.jit; got {value!r}")
+    return values
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _name(fun: Callable) -> str:
+    return f"<function {getattr(fun, '__qualname__', fun)!s}>"

@@ -1,0 +1,181 @@
+"""The stages after tracing, for one signature: plan -> segment -> compile, closed on the budget.
+
+  plan (``schedule.plan_window``) -> cut (``schedule.cut_segments``) -> segment functions and the
+  chain jaxpr (``transforms.segment``) -> compile and measure (``transforms.execute``)
+
+The compiled segments' own memory reports close the loop: when the chain's executed peak is over
+the budget, the program learns each segment's measured excess as scratch and is planned again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from oocjax.budget import resolve_bytes
+from oocjax.errors import BudgetInfeasibleError, OocError
+from oocjax.plan import Plan
+from oocjax.schedule import Program, format_bytes, plan_window, required_bytes
+from oocjax.schedule.segments import Segment, SegmentCost, cut_segments, executed_peak, with_measured_scratch
+from oocjax.transforms.execute import ChainExecutor, compile_segments
+from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
+from oocjax.transforms.trace import TracedStep
+
+MAX_REPLANS = 4  # closed loop on the budget: re-plans after the compiled segments came out too large
+# A segment launch costs tens of microseconds of Python and runtime work: below this much work a
+# segment is merged with the next one where memory allows (about a millisecond of work).
+DEFAULT_MIN_SEGMENT_FLOPS = {"cpu": 10**8, "gpu": 4 * 10**11, "cuda": 4 * 10**11, "rocm": 4 * 10**11}
+# Operations that run whole, as one step with their internal peak as scratch: when one of them sets
+# the floor, the error says so.
+OPAQUE_LOOPS = {"scan": "a scan", "while": "a while loop", "checkpoint": "a remat (checkpoint) block"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlannerOptions:
+    """How ``ooc_jit`` plans; see its docstring. ``None`` means the default for the budget/device."""
+
+    window_bytes: int | None = None
+    min_offload_bytes: int = 2**20  # 1 MiB
+    min_segment_flops: int = 10**11
+    min_segments: int = 1
+
+    @classmethod
+    def read(cls, options: dict[str, Any], platform: str) -> PlannerOptions:
+        """Options as users give them: byte sizes as ints or with units (``"1MiB"``)."""
+        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise TypeError(
+                f"ooc_jit got unknown planner options {unknown}; it accepts {list(cls.__dataclass_fields__)}"
+            )
+        read = dict(min_segment_flops=DEFAULT_MIN_SEGMENT_FLOPS.get(platform, 10**11))
+        for name in ("window_bytes", "min_offload_bytes"):
+            if options.get(name) is not None:
+                read[name] = resolve_bytes(name, options[name], allow_zero=name == "min_offload_bytes")
+        for name in ("min_segment_flops", "min_segments"):
+            if name in options:
+                read[name] = _count(name, options[name], smallest=0 if name == "min_segment_flops" else 1)
+        return cls(**read)
+
+    @property
+    def window(self) -> dict[str, int]:
+        """The options ``plan_window`` takes."""
+        window = {} if self.window_bytes is None else {"window_bytes": self.window_bytes}
+        return window | {"min_offload_bytes": self.min_offload_bytes}
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltStep:
+    """What one signature runs: its plan and, when something moves, the chain's executor (else
+    the step is ``jax.jit``'s own program)."""
+
+    plan: Plan
+    executor: ChainExecutor | None
+    input_kinds: tuple[str, ...]
+    segment_functions: tuple[Callable, ...] = ()
+
+
+def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> BuiltStep:
+    """Plans, cuts and compiles a traced step until its measured peak holds ``budget_bytes``.
+
+    Raises ``BudgetInfeasibleError`` when no plan fits, and ``OocError`` when the compiled segments
+    still measure over the budget after ``MAX_REPLANS`` plans."""
+    flat, program = traced.flat, traced.program
+    planned_for, history, worst_text = budget_bytes, [], ""
+    compiled: dict = {}  # shared across re-plans: a segment that did not change compiles once
+    while True:
+        schedule = _plan(program, planned_for, budget_bytes, options, history, worst_text)
+        input_kinds = tuple("pinned_host" if b in schedule.host_inputs else "device" for b in range(flat.num_inputs))
+        if schedule.moves_nothing and options.min_segments <= 1:
+            plan = Plan.build(
+                program=program,
+                schedule=schedule,
+                jaxpr=traced.jaxpr,
+                source_jaxpr=traced.jaxpr,
+                input_kinds=input_kinds,
+            )
+            return BuiltStep(plan, None, input_kinds)
+        segments = cut_segments(
+            program,
+            schedule,
+            budget_bytes=planned_for,
+            min_segment_flops=options.min_segment_flops,
+            min_segments=options.min_segments,
+        )
+        functions = segment_functions(flat, segments)
+        chain = chain_jaxpr(chain_function(flat, schedule, segments, functions), flat, input_kinds)
+        programs, costs = compile_segments(chain, functions, compiled)
+        peak, worst = executed_peak(segments, costs)
+        history.append((planned_for, peak))
+        if peak <= budget_bytes:
+            break
+        worst_text = _worst_segment(program, segments[worst], costs[worst])
+        if len(history) > MAX_REPLANS:
+            smallest = max(required_bytes(program, options.min_offload_bytes))
+            raise OocError(_over_budget_message(budget_bytes, history, smallest) + worst_text)
+        # Some compiled segments came out larger than estimated (XLA's scratch, padding): plan
+        # again with that excess as scratch of their steps, so that less is held around them.
+        program = with_measured_scratch(program, segments, costs, budget_bytes)
+    plan = Plan.build(
+        program=program,
+        schedule=schedule,
+        jaxpr=chain,
+        source_jaxpr=traced.jaxpr,
+        budget_bytes=budget_bytes,
+        segments=segments,
+        segment_costs=tuple(costs),
+        executed_peak_bytes=peak,
+        attempts=tuple(measured for _, measured in history),
+        input_kinds=input_kinds,
+    )
+    return BuiltStep(plan, ChainExecutor(chain, programs, costs, budget_bytes), input_kinds, tuple(functions))
+
+
+def _plan(program: Program, planned_for: int, budget: int, options: PlannerOptions, history: list, worst: str):
+    try:
+        return plan_window(program, planned_for, **options.window)
+    except BudgetInfeasibleError as error:
+        if history:
+            raise OocError(_over_budget_message(budget, history, error.required_bytes) + worst) from error
+        loop = OPAQUE_LOOPS.get(program.steps[error.step].name)
+        if loop is None:
+            raise
+        note = (
+            f"\nThat operation is {loop}: oocjax runs it whole, as one operation holding all its iterations' "
+            "values, so it sets the floor whatever the model's depth. A Python loop over the layers (or no "
+            "remat) lets each layer be planned on its own."
+        )
+        raise BudgetInfeasibleError(
+            str(error) + note,
+            budget_bytes=error.budget_bytes,
+            required_bytes=error.required_bytes,
+            step=error.step,
+            where=error.where,
+        ) from None
+
+
+def _count(name: str, value: Any, *, smallest: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < smallest or value != int(value):
+        raise ValueError(f"{name} must be a whole number >= {smallest}; got {value!r}")
+    return int(value)
+
+
+def _over_budget_message(budget: int, history: list[tuple[int, int]], smallest: int | None) -> str:
+    tries = "; ".join(f"planned for {format_bytes(p)}, measured {format_bytes(c)}" for p, c in history)
+    limit = "" if smallest is None else f" (the planner cannot go below {format_bytes(smallest)})"
+    return (
+        f"the compiled segments of the step do not fit the budget of {format_bytes(budget)}: {tries}{limit}.\n"
+        "XLA adds memory the plan's estimate cannot see (padding, fusion scratch, its own rematerialisation).\n"
+        "Fixes:\n  1. raise the budget;\n  2. lower min_offload_bytes so that more values may move."
+    )
+
+
+def _worst_segment(program: Program, segment: Segment, cost: SegmentCost) -> str:
+    lines = list(dict.fromkeys(s.label for s in program.steps[segment.start : segment.stop] if s.label))
+    shown = ", ".join(lines[:5]) + (f" and {len(lines) - 5} more" if len(lines) > 5 else "")
+    return (
+        f"\nThe largest segment runs equations {segment.start}..{segment.stop - 1} ({shown or 'no source lines'}): "
+        f"it holds {format_bytes(segment.held_bytes)} when launched and its program allocates "
+        f"{format_bytes(cost.launch_bytes)} more (scratch {format_bytes(cost.temp_bytes)}), "
+        f"{format_bytes(segment.held_bytes + cost.launch_bytes)} in all."
+    )

@@ -1,0 +1,67 @@
+"""Stage 1, trace: the step as ``jax.jit`` traces it, flattened and turned into the planner's program.
+
+Arguments are traced as abstract device values (``ArgumentSpec.device_specs``), so state kept in
+host memory traces exactly as state on the device does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from oocjax.arguments import ArgumentSpec
+from oocjax.schedule import Program
+from oocjax.transforms import _compat as jc
+from oocjax.transforms.analyse import FlatProgram, flatten, to_program
+
+
+@dataclass(frozen=True, slots=True)
+class TracedStep:
+    """One signature of a step, traced.
+
+    Attributes:
+      jaxpr: the step as ``jax.jit`` traced it.
+      flat: the same with nested ``jit`` calls inlined and every value numbered.
+      program: the planner's model of it (sizes, lifetimes, labels, flops).
+      out_tree: the structure of its results.
+      donated: per flat argument, whether it is donated.
+    """
+
+    jaxpr: jc.ClosedJaxpr
+    flat: FlatProgram
+    program: Program
+    out_tree: Any
+    donated: tuple[bool, ...]
+
+
+def trace_step(
+    fun: Callable,
+    *args: Any,
+    static_argnums: Any = (),
+    static_argnames: Any = (),
+    donate_argnums: Any = (),
+    **kwargs: Any,
+) -> TracedStep:
+    """Traces ``fun(*args, **kwargs)`` (arrays or ``jax.ShapeDtypeStruct``s) as ``ooc_jit`` does.
+
+    >>> import jax.numpy as jnp
+    >>> len(trace_step(lambda x: jnp.sin(x) * 2, jnp.ones(3)).program.steps)
+    2
+    """
+    spec = ArgumentSpec.of(fun, static_argnums, static_argnames, donate_argnums)
+    return trace_arguments(spec, args, kwargs)
+
+
+def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict) -> TracedStep:
+    """``trace_step`` for arguments already split by an ``ArgumentSpec``."""
+    spec_args, spec_kwargs = spec.device_specs(args, kwargs)
+    traced = jax.jit(spec.fun, **spec.jit_kwargs).trace(*spec_args, **spec_kwargs)
+    leaves = jax.tree_util.tree_flatten_with_path(traced.args_info)[0]
+    labels = [spec.label(path, len(args)) for path, _ in leaves]
+    donated = tuple(info.donated for _, info in leaves)
+    flat = flatten(traced.jaxpr)
+    program = to_program(flat, input_labels=labels, donated=donated)
+    return TracedStep(traced.jaxpr, flat, program, jax.tree.structure(traced.out_info), donated)
