@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 from oocjax.budget import resolve_bytes
 from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.plan import Plan
@@ -81,6 +83,7 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
     Raises ``BudgetInfeasibleError`` when no plan fits, and ``OocError`` when the compiled segments
     still measure over the budget after ``MAX_REPLANS`` plans."""
     flat, program = traced.flat, traced.program
+    device = jax.devices()[0].device_kind
     planned_for, history, worst_text = budget_bytes, [], ""
     compiled: dict = {}  # shared across re-plans: a segment that did not change compiles once
     while True:
@@ -93,6 +96,7 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
                 jaxpr=traced.jaxpr,
                 source_jaxpr=traced.jaxpr,
                 input_kinds=input_kinds,
+                device=device,
             )
             return BuiltStep(plan, None, input_kinds)
         segments = cut_segments(
@@ -103,7 +107,8 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
             min_segments=options.min_segments,
         )
         functions = segment_functions(flat, segments)
-        chain = chain_jaxpr(chain_function(flat, schedule, segments, functions), flat, input_kinds)
+        labels = [buffer.label for buffer in program.buffers]
+        chain = chain_jaxpr(chain_function(flat, schedule, segments, functions, labels), flat, input_kinds)
         programs, costs = compile_segments(chain, functions, compiled)
         peak, worst = executed_peak(segments, costs)
         history.append((planned_for, peak))
@@ -127,6 +132,7 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
         executed_peak_bytes=peak,
         attempts=tuple(measured for _, measured in history),
         input_kinds=input_kinds,
+        device=device,
     )
     return BuiltStep(plan, ChainExecutor(chain, programs, costs, budget_bytes), input_kinds, tuple(functions))
 

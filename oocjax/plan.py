@@ -2,22 +2,10 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from oocjax.schedule import (
-    Buffer,
-    MemoryTimeline,
-    Offload,
-    Prefetch,
-    Program,
-    Schedule,
-    Step,
-    format_bytes,
-    keep_all,
-    simulate,
-)
+from oocjax.schedule import MemoryTimeline, Offload, Prefetch, Program, Schedule, format_bytes, keep_all, simulate
 from oocjax.schedule.cost import DeviceProfile
 from oocjax.schedule.segments import Segment, SegmentCost
 
@@ -79,6 +67,8 @@ class Plan:
         given in the other one is moved first.
       attempts: the executed peak measured for each plan made, in order: more than one where a
         chain measured over the budget was planned again with its segments' real scratch.
+      device: the device the step was planned and compiled for (``"cpu"``, ``"NVIDIA H200"``);
+        empty for a plan built by hand.
     """
 
     budget_bytes: int
@@ -99,6 +89,7 @@ class Plan:
     executed_peak_bytes: int | None = None
     attempts: tuple[int, ...] = ()
     input_kinds: tuple[str, ...] = ()
+    device: str = ""
 
     @classmethod
     def build(
@@ -114,6 +105,7 @@ class Plan:
         executed_peak_bytes: int | None = None,
         attempts: tuple[int, ...] = (),
         input_kinds: tuple[str, ...] = (),
+        device: str = "",
     ) -> Plan:
         timeline = simulate(program, schedule)
         baseline = simulate(program, keep_all(program))
@@ -144,6 +136,7 @@ class Plan:
             executed_peak_bytes=executed_peak_bytes,
             attempts=attempts,
             input_kinds=input_kinds,
+            device=device,
             peak_bytes=timeline.peak_bytes,
             baseline_peak_bytes=baseline.peak_bytes,
             host_peak_bytes=timeline.host_peak_bytes,
@@ -164,19 +157,23 @@ class Plan:
         return self.timeline.h2d_bytes + self.timeline.d2h_bytes
 
     def __repr__(self) -> str:
+        from oocjax.render import counted
+
         executed = "" if self.executed_peak_bytes is None else f", executed {format_bytes(self.executed_peak_bytes)}"
+        on_host = f", {counted(len(self.host_inputs), 'argument')} kept on host" if self.host_inputs else ""
         return (
             f"Plan(peak={format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}{executed}, "
-            f"in-core {format_bytes(self.baseline_peak_bytes)}, {len(self.segments)} segments, "
-            f"{len(self.offloads)} offloads, {format_bytes(self.moved_bytes)} moved)"
+            f"in-core {format_bytes(self.baseline_peak_bytes)}, {counted(len(self.segments), 'segment')}, "
+            f"{counted(len(self.offloads), 'offload')}{on_host}, {format_bytes(self.moved_bytes)} moved)"
         )
 
     # -- views (oocjax.render, oocjax.plotting) ------------------------------------------------
 
-    def summary(self, profile: DeviceProfile | str | None = "h100-pcie", *, largest: int = 10) -> str:
-        """A text report: budget, in-core and planned peaks (and where), traffic, host memory, the
-        largest moves, and the step time simulated on ``profile`` (a name from
-        ``oocjax.schedule.cost.PROFILES``, a ``DeviceProfile``, or None to leave it out)."""
+    def summary(self, profile: DeviceProfile | str | None = None, *, largest: int = 10) -> str:
+        """A text report: budget, in-core and planned peaks (and where), measured peak, traffic,
+        host memory and the largest moves; with a ``profile`` (a name from
+        ``oocjax.schedule.cost.PROFILES`` such as ``"h100"``, or a ``DeviceProfile``), also the step
+        time simulated on that device, which is a model of it, not a measurement."""
         from oocjax import render
 
         return render.summary(self, profile, largest=largest)
@@ -201,60 +198,19 @@ class Plan:
 
         return render.html_view(self)
 
-    # -- saving ---------------------------------------------------------------------------------
+    # -- saving (oocjax.plan_json) -----------------------------------------------------------------
 
-    def to_json(self) -> str:
-        """The plan as JSON: the planner's program and schedule (jaxprs are not saved)."""
-        moves = [{type(m).__name__.lower(): asdict(m)} for m in self.schedule.moves]
-        schedule = asdict(self.schedule) | {
-            "host_inputs": sorted(self.schedule.host_inputs),
-            "host_outputs": sorted(self.schedule.host_outputs),
-            "moves": moves,
-        }
-        program = {
-            "steps": [
-                asdict(step) | {"reads": list(step.reads), "writes": list(step.writes)} for step in self.program.steps
-            ],
-            "buffers": [asdict(buffer) for buffer in self.program.buffers],
-        }
-        return json.dumps(
-            {
-                "format": "oocjax.plan/1",
-                "budget_bytes": self.budget_bytes,
-                "executed_peak_bytes": self.executed_peak_bytes,
-                "program": program,
-                "schedule": schedule,
-            },
-            indent=1,
-        )
+    def to_json(self, *, full: bool = False) -> str:
+        """The plan as JSON, small enough to keep beside each run's logs: device, budget, peaks,
+        traffic, attempts and every move with its label and size. ``full=True`` adds the planner's
+        program and schedule, which ``from_json`` needs to rebuild the plan."""
+        from oocjax import plan_json
+
+        return plan_json.dumps(self, full=full)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """A plan saved by ``to_json``; its ``jaxpr`` and ``source_jaxpr`` are None."""
-        data = json.loads(text)
-        if data.get("format") != "oocjax.plan/1":
-            raise ValueError(f"not an oocjax plan (format {data.get('format')!r}, expected 'oocjax.plan/1')")
-        program = Program(
-            steps=tuple(
-                Step(**(step | {"reads": tuple(step["reads"]), "writes": tuple(step["writes"])}))
-                for step in data["program"]["steps"]
-            ),
-            buffers=tuple(Buffer(**buffer) for buffer in data["program"]["buffers"]),
-        )
-        kinds = {"offload": Offload, "prefetch": Prefetch}
-        saved = data["schedule"]
-        schedule = Schedule(
-            strategy=saved["strategy"],
-            budget_bytes=saved["budget_bytes"],
-            host_inputs=frozenset(saved["host_inputs"]),
-            host_outputs=frozenset(saved["host_outputs"]),
-            moves=tuple(kinds[kind](**fields) for move in saved["moves"] for kind, fields in move.items()),
-        )
-        return cls.build(
-            program=program,
-            schedule=schedule,
-            jaxpr=None,
-            source_jaxpr=None,
-            budget_bytes=data.get("budget_bytes"),
-            executed_peak_bytes=data.get("executed_peak_bytes"),
-        )
+        """A plan saved with ``to_json(full=True)``; its ``jaxpr`` and ``source_jaxpr`` are None."""
+        from oocjax import plan_json
+
+        return plan_json.loads(text)

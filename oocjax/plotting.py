@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from oocjax.render import _count
+from oocjax.render import counted
 from oocjax.schedule import Offload
 from oocjax.schedule.cost import DeviceProfile, simulate_time
 
 if TYPE_CHECKING:
     from oocjax.plan import Plan
 
-MiB = 2**20
+MiB = 2**20  # TODO(schedule.units)
+LABELLED_MOVES = 5  # the largest moves get their value's name on the plot
 
 
 def _pyplot():
@@ -60,13 +61,15 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
     prefetches = [m.issue_step for m in plan.schedule.moves if not isinstance(m, Offload)]
     ax.plot(offloads, [0] * len(offloads), "v", color="tab:orange", markersize=5, label="offload")
     ax.plot(prefetches, [0] * len(prefetches), "^", color="tab:green", markersize=5, label="prefetch")
+    _label_largest_moves(ax, plan)
     ax.set_xlabel("equation")
     ax.set_ylabel("device memory (MiB)")
     ax.set_ylim(bottom=-0.04 * max(plan.baseline_peak_bytes / MiB, 1))
     ax.legend(loc="upper right", fontsize="small")
-    ax.set_title(f"{_count(len(plan.offloads), 'offload')}, {_count(len(plan.host_inputs), 'argument')} on host")
+    ax.set_title(f"{counted(len(plan.offloads), 'offload')}, {counted(len(plan.host_inputs), 'argument')} on host")
 
     if stream_ax is None:
+        ax.figure.tight_layout()  # keeps the x label inside a plain savefig
         return ax
     timed = simulate_time(plan.program, plan.schedule, profile)
     lanes = [
@@ -87,3 +90,20 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
     )
     ax.figure.tight_layout()
     return ax, stream_ax
+
+
+def _label_largest_moves(ax: Any, plan: Plan) -> None:
+    """Names the values of the largest offloads (and host-kept arguments) next to their markers: a
+    PNG has no hover titles."""
+    rows = [(o.nbytes, o.offload_after, o.label) for o in plan.offloads]
+    rows += [(h.nbytes, h.prefetch_before[0], h.label) for h in plan.host_inputs if h.prefetch_before]
+    for nbytes, step, label in sorted(rows, key=lambda row: -row[0])[:LABELLED_MOVES]:
+        ax.annotate(
+            f"{label} ({nbytes / MiB:.3g} MiB)",
+            (step, 0),
+            xytext=(2, 8),
+            textcoords="offset points",
+            rotation=35,
+            fontsize="x-small",
+            color="0.25",
+        )

@@ -11,13 +11,19 @@ from typing import TYPE_CHECKING
 from oocjax.schedule import Offload, format_bytes
 from oocjax.schedule.cost import PROFILES, DeviceProfile, simulate_time
 
+try:  # TEMPSHIM
+    from oocjax.schedule.cost import resolve_profile
+except ImportError:  # TEMPSHIM
+
+    def resolve_profile(p):  # TEMPSHIM
+        return PROFILES[p] if isinstance(p, str) else p  # TEMPSHIM
+
+
 if TYPE_CHECKING:
     from oocjax.plan import Plan
 
-DEFAULT_PROFILE = "h100-pcie"
 
-
-def summary(plan: Plan, profile: DeviceProfile | str | None = DEFAULT_PROFILE, *, largest: int = 10) -> str:
+def summary(plan: Plan, profile: DeviceProfile | str | None = None, *, largest: int = 10) -> str:
     """The plan as a text report: memory, traffic, the largest moves, and the timed simulation."""
     timeline, program = plan.timeline, plan.program
     peak_at = (
@@ -34,7 +40,7 @@ def summary(plan: Plan, profile: DeviceProfile | str | None = DEFAULT_PROFILE, *
             [
                 (
                     "executed peak",
-                    f"{format_bytes(plan.executed_peak_bytes)} in {_count(len(plan.segments), 'segment')} "
+                    f"{format_bytes(plan.executed_peak_bytes)} in {counted(len(plan.segments), 'segment')} "
                     f"(measured from the compiled segments; planned for {format_bytes(plan.schedule.budget_bytes)})",
                 )
             ]
@@ -46,11 +52,12 @@ def summary(plan: Plan, profile: DeviceProfile | str | None = DEFAULT_PROFILE, *
         ("host peak", format_bytes(plan.host_peak_bytes)),
         (
             "kept on host",
-            f"{_count(len(plan.host_inputs), 'argument')} ({format_bytes(host_inputs)}), "
-            f"{_count(len(plan.host_outputs), 'result')}",
+            f"{counted(len(plan.host_inputs), 'argument')} ({format_bytes(host_inputs)}), "
+            f"{counted(len(plan.host_outputs), 'result')}",
         ),
     ]
-    lines = [f"oocjax plan ({plan.schedule.strategy}, {len(program.steps)} equations)"]
+    device = f" for {plan.device}" if plan.device else ""
+    lines = [f"oocjax plan{device} ({plan.schedule.strategy}, {len(program.steps)} equations)"]
     lines += [f"  {name:<13} {value}" for name, value in rows]
 
     moves = _move_rows(plan)
@@ -65,12 +72,14 @@ def summary(plan: Plan, profile: DeviceProfile | str | None = DEFAULT_PROFILE, *
             lines.append("  " + "  ".join(cells) + "  " + row[4])
 
     if profile is not None:
-        timed = simulate_time(program, plan.schedule, profile)
-        device = PROFILES[profile] if isinstance(profile, str) else profile
+        model = resolve_profile(profile)
+        timed = simulate_time(program, plan.schedule, model)
+        planned_on = f"; this plan is for {plan.device}" if plan.device else ""
         lines += [
             "",
-            f"Timed simulation on {device.name} ({device.flops_per_s / 1e12:g} TFLOP/s sustained, "
-            f"host link {device.h2d_bytes_per_s / 1e9:g} GB/s in, {device.d2h_bytes_per_s / 1e9:g} GB/s out):",
+            f"Timed simulation on {model.name}, a model of that device, not a measurement{planned_on} "
+            f"({model.flops_per_s / 1e12:g} TFLOP/s sustained, "
+            f"host link {model.h2d_bytes_per_s / 1e9:g} GB/s in, {model.d2h_bytes_per_s / 1e9:g} GB/s out):",
             f"  step time     {_seconds(timed.step_time_s)} = compute {_seconds(timed.compute_time_s)}"
             f" + exposed transfers {_seconds(timed.exposed_transfer_s)}",
             f"  lower bound   {_seconds(timed.lower_bound_s)} (max of compute and each link's traffic)",
@@ -91,7 +100,8 @@ def _move_rows(plan: Plan) -> list[tuple[str, int, str, str, str]]:
     return rows
 
 
-def _count(n: int, noun: str) -> str:
+def counted(n: int, noun: str) -> str:
+    """``1 segment``, ``3 segments``, ``2 prefetches``."""
     return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("h") else f"{n} {noun}s"
 
 
@@ -104,7 +114,7 @@ def _seconds(s: float) -> str:
 
 # -- SVG -----------------------------------------------------------------------------------------
 
-_WIDTH, _HEIGHT, _PAD = 720, 260, 40
+_WIDTH, _HEIGHT, _PAD = 720, 260, 56
 
 
 def svg_timeline(plan: Plan) -> str:
@@ -139,13 +149,14 @@ def svg_timeline(plan: Plan) -> str:
             f"<title>{label}</title></polygon>"
         )
     budget_y = y(plan.budget_bytes)
+    axes = _svg_axes(x, y, n, top)
     return "\n".join(
         [
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{_HEIGHT + 20}" '
             f'viewBox="0 0 {_WIDTH} {_HEIGHT + 20}" font-family="sans-serif" font-size="11">',
             "<style>.in-core{stroke:#999;stroke-width:1.5}.planned{stroke:#1f77b4;stroke-width:2}"
             ".budget{stroke:#d62728;stroke-dasharray:6 4}.offload{fill:#ff7f0e}.prefetch{fill:#2ca02c}</style>",
-            f'<line x1="{_PAD}" y1="{_HEIGHT - _PAD}" x2="{_WIDTH - _PAD}" y2="{_HEIGHT - _PAD}" stroke="#333"/>',
+            *axes,
             curve(in_core, "in-core"),
             curve(planned, "planned"),
             f'<line class="budget" x1="{_PAD}" y1="{budget_y:.1f}" x2="{_WIDTH - _PAD}" y2="{budget_y:.1f}"/>',
@@ -158,6 +169,23 @@ def svg_timeline(plan: Plan) -> str:
             "</svg>",
         ]
     )
+
+
+def _svg_axes(x, y, n: int, top: float) -> list[str]:
+    """Both axes with five numbered ticks each: bytes up the left, equations along the bottom."""
+    bottom = _HEIGHT - _PAD
+    parts = [
+        f'<line x1="{_PAD}" y1="{bottom}" x2="{_WIDTH - _PAD}" y2="{bottom}" stroke="#333"/>',
+        f'<line x1="{_PAD}" y1="{_PAD}" x2="{_PAD}" y2="{bottom}" stroke="#333"/>',
+    ]
+    for k in range(5):
+        nbytes, step = top / 1.05 * k / 4, round(n * k / 4)
+        parts += [
+            f'<text class="tick" x="{_PAD - 4}" y="{y(nbytes) + 4:.1f}" text-anchor="end" font-size="9">'
+            f"{html.escape(format_bytes(int(nbytes)))}</text>",
+            f'<text class="tick" x="{x(step):.1f}" y="{bottom + 26}" text-anchor="middle" font-size="9">{step}</text>',
+        ]
+    return parts
 
 
 def html_view(plan: Plan) -> str:
@@ -178,26 +206,38 @@ def pretty_jaxpr(plan: Plan, *, full: bool = False) -> str:
     else:
         lines = _chain_lines(plan)
     if full:
-        lines += ["", str(plan.jaxpr)]
+        lines += ["", str(plan.jaxpr.pretty_print(use_color=False))]
     return "\n".join(lines)
 
 
 def _chain_lines(plan: Plan) -> list[str]:
     buffers, steps = plan.program.buffers, plan.program.steps
+    uses: dict[int, list[int]] = {}  # buffer -> steps its prefetches serve
+    for m in plan.schedule.moves:
+        if not isinstance(m, Offload):
+            uses.setdefault(m.buffer, []).append(m.use_step)
 
     def value(b: int) -> str:
         return f"{buffers[b].label} ({format_bytes(buffers[b].nbytes)})"
 
+    def offload(b: int, after: int) -> str:
+        later = [u for u in uses.get(b, ()) if u > after]
+        return f"not needed again until equation {min(later)}" if later else "stays on host"
+
+    def prefetch(b: int, start: int) -> str:
+        served = [u for u in uses.get(b, ()) if u >= start]
+        return f"read at equation {min(served)}" if served else "read in this segment"
+
     lines = []
     costs = plan.segment_costs or (None,) * len(plan.segments)
     for i, (segment, cost) in enumerate(zip(plan.segments, costs)):
-        lines += [f"  wait  {value(b)}: its offload must be done, its device memory is needed" for b in segment.waits]
-        lines += [f"  >>>   prefetch {value(b)}" for b in segment.prefetches]
+        lines += [f"  wait  {value(b)}: its offload must end before its device memory is reused" for b in segment.waits]
+        lines += [f"  >>>   prefetch {value(b)}: {prefetch(b, segment.start)}" for b in segment.prefetches]
         where = list(dict.fromkeys(s.label for s in steps[segment.start : segment.stop] if s.label))
         measured = "" if cost is None else f", scratch {format_bytes(cost.temp_bytes)}"
         lines.append(
             f"segment {i}: equations {segment.start}..{segment.stop - 1}, holds {format_bytes(segment.held_bytes)} "
             f"at launch{measured}" + (f"  [{', '.join(where[:3])}{', ...' if len(where) > 3 else ''}]" if where else "")
         )
-        lines += [f"  <<<   offload {value(b)}" for b in segment.offloads]
+        lines += [f"  <<<   offload {value(b)}: {offload(b, segment.stop - 1)}" for b in segment.offloads]
     return lines

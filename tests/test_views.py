@@ -1,14 +1,19 @@
 """Plans explain themselves: repr, summary, HTML with an SVG timeline, plots, JSON, the notebook."""
 
+import functools
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
+from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax.plan import Plan
+from oocjax.render import svg_timeline
 from oocjax.schedule import plan_window
 from tests.programs import MiB, mlp_chain
 
@@ -20,16 +25,17 @@ def chain_plan() -> Plan:
     return Plan.build(program=program, schedule=plan_window(program, 16 * MiB), jaxpr=None, source_jaxpr=None)
 
 
-def test_the_repr_is_one_line_with_peak_budget_in_core_offloads_and_traffic():
-    assert (
-        repr(chain_plan()) == "Plan(peak=16 MiB / budget 16 MiB, in-core 21 MiB, 0 segments, 2 offloads, 16 MiB moved)"
+def test_the_repr_is_one_line_with_peak_budget_in_core_offloads_host_kept_arguments_and_traffic():
+    assert repr(chain_plan()) == (
+        "Plan(peak=16 MiB / budget 16 MiB, in-core 21 MiB, 0 segments, 2 offloads, 4 arguments kept on host, "
+        "16 MiB moved)"
     )
 
 
 def test_the_summary_of_the_hand_worked_chain_reads_as_expected():
     # The schedule is the hand-worked one of test_window_golden; the times follow from the h100-pcie
     # profile: 6 small steps of 5 us launch overhead plus the copies on a 35/50 GB/s link.
-    assert chain_plan().summary() == "\n".join(
+    assert chain_plan().summary(profile="h100-pcie") == "\n".join(
         [
             "oocjax plan (window, 6 equations)",
             "  budget        16 MiB",
@@ -49,15 +55,17 @@ def test_the_summary_of_the_hand_worked_chain_reads_as_expected():
             "  1 MiB       host         0, 4              -  w2",
             "  1 MiB       host            0              -  w3",
             "",
-            "Timed simulation on h100-pcie (378 TFLOP/s sustained, host link 35 GB/s in, 50 GB/s out):",
+            "Timed simulation on h100-pcie, a model of that device, not a measurement (378 TFLOP/s sustained, "
+            "host link 35 GB/s in, 50 GB/s out):",
             "  step time     478 us = compute 30 us + exposed transfers 448 us",
             "  lower bound   330 us (max of compute and each link's traffic)",
         ]
     )
 
 
-def test_the_summary_can_leave_out_the_timed_simulation():
-    assert "Timed simulation" not in chain_plan().summary(profile=None)
+def test_the_summary_simulates_a_device_only_when_asked_and_then_says_it_is_a_model():
+    assert "Timed simulation" not in chain_plan().summary()
+    assert "a model of that device, not a measurement" in chain_plan().summary(profile="h100-pcie")
 
 
 def test_the_html_view_has_an_svg_with_the_budget_line_and_one_mark_per_move():
@@ -69,9 +77,18 @@ def test_the_html_view_has_an_svg_with_the_budget_line_and_one_mark_per_move():
     assert page.count('class="move offload"') == 2
 
 
-def test_a_plan_survives_a_json_round_trip():
+def test_a_saved_plan_is_small_and_says_what_moves():
+    saved = json.loads(chain_plan().to_json())
+    assert "program" not in saved and "schedule" not in saved
+    assert (saved["peak_bytes"], len(saved["offloads"]), len(saved["host_inputs"])) == (16 * MiB, 2, 4)
+    assert {o["label"] for o in saved["offloads"]} == {"a1", "dw3"}
+    with pytest.raises(ValueError, match=r"save it with plan.to_json\(full=True\)"):
+        Plan.from_json(chain_plan().to_json())
+
+
+def test_a_plan_saved_in_full_survives_a_json_round_trip():
     plan = chain_plan()
-    loaded = Plan.from_json(plan.to_json())
+    loaded = Plan.from_json(plan.to_json(full=True))
     assert loaded.program == plan.program and loaded.schedule == plan.schedule
     assert (loaded.peak_bytes, loaded.offloads, loaded.host_inputs) == (
         plan.peak_bytes,
@@ -145,3 +162,121 @@ def test_the_notebook_executes_end_to_end_and_writes_its_figures(tmp_path, monke
         str(o.get("text", "")) + str(o.get("data", "")) for c in notebook.cells for o in c.get("outputs", [])
     )
     assert "Largest moves" in outputs and "<svg" in outputs and "<<<   offload" in outputs
+
+
+# -- views of a real ooc_jit plan -------------------------------------------------------------------
+
+
+def wide_mlp_step(params, x):
+    """40 parameter arrays (20 layers of weight and bias), and its gradient step."""
+
+    def loss(params):
+        h = x
+        for w, b in params:
+            h = jnp.tanh(h @ w + b)
+        return (h**2).mean()
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
+
+
+WIDE_PARAMS = [(jnp.eye(64) * 0.5, jnp.zeros(64)) for _ in range(20)]
+WIDE_X = jnp.ones((512, 64))
+
+
+@functools.cache
+def wide_plan(fraction: float = 0.4) -> Plan:
+    in_core = ooc_jit(wide_mlp_step, budget=2**62).plan(WIDE_PARAMS, WIDE_X).baseline_peak_bytes
+    return ooc_jit(wide_mlp_step, budget=int(in_core * fraction), min_offload_bytes=1024).plan(WIDE_PARAMS, WIDE_X)
+
+
+def test_the_pretty_view_of_a_step_with_40_parameter_arrays_shows_a_transfer_within_six_lines():
+    lines = wide_plan().pretty_jaxpr().splitlines()
+    assert any(marker in line for line in lines[:6] for marker in (">>>   prefetch", "<<<   offload", "wait  "))
+    assert any("not needed again until equation" in line or "stays on host" in line for line in lines)
+
+
+def test_the_full_pretty_view_has_no_terminal_colour_codes():
+    assert "\x1b[" not in wide_plan().pretty_jaxpr(full=True)
+
+
+def test_every_transfer_in_the_chain_is_named_for_the_value_it_moves_and_a_users_own_is_not():
+    def step_with_its_own_transfer(params, x):
+        x = jax.device_put(x, jax.memory.Space.Host)  # the user's own: stays inside a segment
+        return wide_mlp_step(params, jax.device_put(x, jax.memory.Space.Device))
+
+    in_core = ooc_jit(step_with_its_own_transfer, budget=2**62).plan(WIDE_PARAMS, WIDE_X).baseline_peak_bytes
+    plan = ooc_jit(step_with_its_own_transfer, budget=int(in_core * 0.4), min_offload_bytes=1024).plan(
+        WIDE_PARAMS, WIDE_X
+    )
+    puts = [e for e in plan.jaxpr.jaxpr.eqns if e.primitive.name == "device_put"]
+    assert len(puts) == len(plan.schedule.moves)
+    names = [str(e.source_info.name_stack) for e in puts]
+    assert all(re.fullmatch(r"oocjax\.(offload|prefetch)\(.+\)", n) for n in names), names
+    offloaded = {o.label.replace("/", "|") for o in plan.offloads}
+    assert {n[len("oocjax.offload(") : -1] for n in names if n.startswith("oocjax.offload")} == offloaded
+
+
+def test_a_plan_says_which_device_it_was_made_for():
+    assert wide_plan().device == jax.devices()[0].device_kind
+    assert wide_plan().summary().splitlines()[0].startswith(f"oocjax plan for {jax.devices()[0].device_kind} ")
+    assert json.loads(wide_plan().to_json())["device"] == jax.devices()[0].device_kind
+
+
+def test_the_svg_timeline_numbers_both_axes():
+    svg = svg_timeline(wide_plan())
+    ticks = re.findall(r'<text class="tick"[^>]*>([^<]*)</text>', svg)
+    assert len(ticks) == 10
+    assert "0 B" in ticks and "0" in ticks and str(len(wide_plan().program.steps)) in ticks
+
+
+def test_a_plot_without_a_profile_keeps_its_x_label_inside_a_plain_savefig_and_names_the_largest_moves(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    plan = wide_plan()
+    ax = plan.plot()
+    ax.figure.savefig(tmp_path / "plan.png")  # no bbox_inches="tight"
+    label = ax.xaxis.label.get_window_extent(ax.figure.canvas.get_renderer())
+    assert label.y0 >= 0  # drawn inside the figure, not cut off below it
+    largest = max(plan.offloads, key=lambda o: o.nbytes)
+    assert any(text.get_text().startswith(largest.label) for text in ax.texts)
+
+
+def test_a_scan_that_sets_the_floor_is_named_by_the_users_line_and_the_error_says_it_is_a_scan():
+    def scanned_step(w, x):
+        def loss(w):
+            def layer(h, w_i):
+                return jnp.tanh(h @ w_i), None
+
+            return jax.lax.scan(layer, x, w)[0].sum()  # this line is the scan's label
+
+        return jax.grad(loss)(w)
+
+    w, x = jnp.ones((8, 64, 64)) / 64, jnp.ones((256, 64))
+    plan = ooc_jit(scanned_step, budget=2**62).plan(w, x)
+    scans = [s for s in plan.program.steps if s.name == "scan"]
+    assert scans and all(re.fullmatch(r"test_views\.py:\d+ \(loss\)", s.label) for s in scans)
+    with pytest.raises(BudgetInfeasibleError, match="is a scan: oocjax runs it whole"):
+        ooc_jit(scanned_step, budget=plan.baseline_peak_bytes // 4, min_offload_bytes=1024)(w, x)
+
+
+def test_a_flax_scan_is_labelled_with_the_users_line_not_flaxs_own_file():
+    import flax.linen as nn
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return jnp.tanh(nn.Dense(32)(h)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            layers = nn.scan(Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+            return layers()(h, None)[0].sum()
+
+    model, x = Stack(), jnp.ones((16, 32))
+    params = model.init(jax.random.key(0), x)
+    plan = ooc_jit(jax.grad(model.apply), budget=2**62).plan(params, x)
+    labels = {s.label for s in plan.program.steps if s.name == "scan"}
+    assert labels and all(label.startswith("test_views.py:") for label in labels), labels

@@ -6,7 +6,9 @@ Checked against jax 0.10.2. When jax moves, this is the only file that should ne
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -108,9 +110,30 @@ def equation_context(eqn: JaxprEqn) -> Iterator[None]:
 
 
 def source_line(eqn: JaxprEqn) -> str:
-    """``"model.py:42 (loss)"``: the user frame an equation came from, or ``""`` if none."""
-    frame = source_info_util.user_frame(eqn.source_info.traceback)
+    """``"model.py:42 (loss)"``: the user's line an equation came from, or ``""`` if none.
+
+    Frames in installed libraries (Flax's ``nn.scan``, Optax) are skipped, so that an equation
+    names the line of the user's model that called them; a notebook cell reads ``In[3]:5``."""
+    frame = _user_frame(eqn.source_info.traceback)
     if frame is None:
         return ""
     function = frame.function_name.rsplit(".", 1)[-1]
-    return f"{os.path.basename(frame.file_name)}:{frame.start_line} ({function})"
+    return f"{_file_label(frame.file_name)}:{frame.start_line} ({function})"
+
+
+_LIBRARY_DIRS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+@functools.lru_cache(maxsize=4096)  # equations of one layer share tracebacks
+def _user_frame(traceback: Any) -> Any:
+    frames = list(source_info_util.user_frames(traceback))
+    return next((f for f in frames if not any(d in f.file_name for d in _LIBRARY_DIRS)), frames[0] if frames else None)
+
+
+def _file_label(path: str) -> str:
+    """The file's name, or ``In[3]`` for the code of a notebook cell (IPython compiles each cell to
+    a file with a hashed name)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    named = getattr(getattr(shell, "compile", None), "format_code_name", lambda _: None)(path)
+    return named[1] if named else os.path.basename(path)

@@ -49,11 +49,23 @@ def _segment_function(flat: FlatProgram, index: int, segment: Segment) -> Callab
 
 
 def chain_function(
-    flat: FlatProgram, schedule: Schedule, segments: Sequence[Segment], functions: Sequence[Callable]
+    flat: FlatProgram,
+    schedule: Schedule,
+    segments: Sequence[Segment],
+    functions: Sequence[Callable],
+    labels: Sequence[str] = (),
 ) -> Callable[..., tuple[Any, ...]]:
     """The step as a chain: a function of the flat arguments (host inputs in host memory) that
     waits, prefetches, calls each segment and offloads, as planned. Trace it to read the chain;
-    ``transforms.execute`` runs that trace."""
+    ``transforms.execute`` runs that trace.
+
+    Each transfer and wait is named (``oocjax.offload(<value>)``, from ``labels`` per buffer) in the
+    equation's name stack, so the chain's jaxpr and profiler traces say what moves, and a
+    ``device_put`` the step itself makes (inside a segment) is never taken for one of the plan's."""
+
+    def named(what: str, b: int) -> Any:
+        label = labels[b] if b < len(labels) else f"buffer {b}"
+        return jax.named_scope(f"oocjax.{what}({label.replace('/', '|')})")
 
     def run(*arguments: Any) -> tuple[Any, ...]:
         device: dict[int, Any] = dict(flat.constants)
@@ -62,13 +74,16 @@ def chain_function(
             (host if b in schedule.host_inputs else device)[b] = value
         for segment, function in zip(segments, functions, strict=True):
             for b in segment.waits:
-                host[b] = jc.wait_p.bind(host[b])
+                with named("wait", b):
+                    host[b] = jc.wait_p.bind(host[b])
             for b in segment.prefetches:
-                device[b] = jax.device_put(host[b], Device)
+                with named("prefetch", b):
+                    device[b] = jax.device_put(host[b], Device)
             results = function(*(device[b] for b in segment.inputs))
             device.update(zip(segment.outputs, results, strict=True))
             for b in segment.offloads:
-                host[b] = jax.device_put(device[b], Host)
+                with named("offload", b):
+                    host[b] = jax.device_put(device[b], Host)
         return tuple(
             r.val if isinstance(r, jc.Literal) else host[r] if r in schedule.host_outputs else device[r]
             for r in flat.outputs

@@ -1,0 +1,90 @@
+"""Saving plans: a small JSON summary by default, the planner's program and schedule on request."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from oocjax.schedule import Buffer, Offload, Prefetch, Program, Schedule, Step
+
+if TYPE_CHECKING:
+    from oocjax.plan import Plan
+
+FORMAT = "oocjax.plan/2"
+READABLE = ("oocjax.plan/1", FORMAT)  # /1 held the program and schedule only
+
+
+def dumps(plan: Plan, *, full: bool = False) -> str:
+    saved = {
+        "format": FORMAT,
+        "device": plan.device,
+        "budget_bytes": plan.budget_bytes,
+        "peak_bytes": plan.peak_bytes,
+        "executed_peak_bytes": plan.executed_peak_bytes,
+        "baseline_peak_bytes": plan.baseline_peak_bytes,
+        "host_peak_bytes": plan.host_peak_bytes,
+        "moved_bytes": plan.moved_bytes,
+        "segments": len(plan.segments),
+        "attempts": list(plan.attempts),
+        "offloads": [asdict(o) for o in plan.offloads],
+        "host_inputs": [asdict(h) for h in plan.host_inputs],
+        "host_outputs": list(plan.host_outputs),
+    }
+    if full:
+        saved |= {"program": _program(plan.program), "schedule": _schedule(plan.schedule)}
+    return json.dumps(saved, indent=1)
+
+
+def loads(text: str) -> Plan:
+    from oocjax.plan import Plan
+
+    data = json.loads(text)
+    if data.get("format") not in READABLE:
+        raise ValueError(f"not an oocjax plan (format {data.get('format')!r}, expected {FORMAT!r})")
+    if "program" not in data:
+        raise ValueError(
+            "this plan was saved without its program and schedule, which rebuilding a Plan needs: save it with "
+            "plan.to_json(full=True); a summary reads as plain JSON (json.loads)"
+        )
+    return Plan.build(
+        program=_read_program(data["program"]),
+        schedule=_read_schedule(data["schedule"]),
+        jaxpr=None,
+        source_jaxpr=None,
+        budget_bytes=data.get("budget_bytes"),
+        executed_peak_bytes=data.get("executed_peak_bytes"),
+        attempts=tuple(data.get("attempts", ())),
+        device=data.get("device", ""),
+    )
+
+
+def _program(program: Program) -> dict:
+    return {
+        "steps": [asdict(step) | {"reads": list(step.reads), "writes": list(step.writes)} for step in program.steps],
+        "buffers": [asdict(buffer) for buffer in program.buffers],
+    }
+
+
+def _schedule(schedule: Schedule) -> dict:
+    return asdict(schedule) | {
+        "host_inputs": sorted(schedule.host_inputs),
+        "host_outputs": sorted(schedule.host_outputs),
+        "moves": [{type(m).__name__.lower(): asdict(m)} for m in schedule.moves],
+    }
+
+
+def _read_program(saved: dict) -> Program:
+    steps = tuple(Step(**(s | {"reads": tuple(s["reads"]), "writes": tuple(s["writes"])})) for s in saved["steps"])
+    return Program(steps=steps, buffers=tuple(Buffer(**buffer) for buffer in saved["buffers"]))
+
+
+def _read_schedule(saved: dict) -> Schedule:
+    kinds = {"offload": Offload, "prefetch": Prefetch}
+    return Schedule(
+        strategy=saved["strategy"],
+        budget_bytes=saved["budget_bytes"],
+        host_inputs=frozenset(saved["host_inputs"]),
+        host_outputs=frozenset(saved["host_outputs"]),
+        moves=tuple(kinds[kind](**fields) for move in saved["moves"] for kind, fields in move.items()),
+    )
