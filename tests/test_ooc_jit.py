@@ -7,11 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.core import JaxprTypeError, check_jaxpr
 
 import oocjax.api
 import oocjax.pipeline
 import oocjax.transforms.execute
 from oocjax import BudgetInfeasibleError, OocError, UnsupportedPrimitiveError, ooc_jit, to_device
+from oocjax.schedule import format_bytes
+from oocjax.transforms.execute import observe_segments
 
 KiB = 1024
 
@@ -29,6 +32,13 @@ def mlp_step(params, x):
 
 PARAMS = [jnp.full((128, 128), 0.01 * (i + 1), dtype=jnp.float32) for i in range(4)]
 X = jnp.linspace(-1, 1, 256 * 128).reshape(256, 128)
+
+
+def assert_same_results(actual, expected):
+    """The whole output tree (parameters and loss), as jax.jit computes it; segments compile apart,
+    so float32 sums may be reassociated."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), actual, expected)
 
 
 def tight_step(**kw):
@@ -123,14 +133,18 @@ def test_plans_label_values_with_their_source_line_and_arguments_with_their_path
 
 
 def test_an_infeasible_budget_names_the_operation_its_line_and_the_smallest_feasible_budget():
-    with pytest.raises(BudgetInfeasibleError) as caught:
+    with pytest.raises(OocError) as caught:  # what users catch
         ooc_jit(mlp_step, budget="64KiB").plan(PARAMS, X)
-    message = str(caught.value)
-    assert re.search(r"step \d+ \(\w+ at test_ooc_jit\.py:\d+ \(\w+\)\) alone needs", message)
-    assert "The smallest feasible budget is" in message
-    assert isinstance(caught.value, OocError) and caught.value.required_bytes > 64 * KiB
-    # and the budget it names works
-    ooc_jit(mlp_step, budget=caught.value.required_bytes).plan(PARAMS, X)
+    error = caught.value
+    assert type(error) is BudgetInfeasibleError and error.budget_bytes == 64 * KiB
+    message = str(error)
+    assert re.search(rf"step {error.step} \(\w+ at test_ooc_jit\.py:\d+ \(\w+\)\) alone needs", message)
+    assert f"The smallest feasible budget is {format_bytes(error.required_bytes)}" in message
+    # The budget it names is the smallest that works: one byte less is refused with the same figure.
+    ooc_jit(mlp_step, budget=error.required_bytes).plan(PARAMS, X)
+    with pytest.raises(BudgetInfeasibleError) as one_byte_less:
+        ooc_jit(mlp_step, budget=error.required_bytes - 1).plan(PARAMS, X)
+    assert one_byte_less.value.required_bytes == error.required_bytes
 
 
 @pytest.mark.parametrize(
@@ -250,7 +264,7 @@ def test_a_segment_measured_over_the_budget_is_planned_again_with_its_real_scrat
     assert len(plan.attempts) > 1 and plan.attempts[0] > plan.budget_bytes
     assert plan.executed_peak_bytes == plan.attempts[-1] <= plan.budget_bytes
     assert "executed peak" in plan.summary(profile=None)
-    np.testing.assert_allclose(step(PARAMS, X)[1], jax.jit(mlp_step)(PARAMS, X)[1], rtol=1e-6)
+    assert_same_results(step(PARAMS, X), jax.jit(mlp_step)(PARAMS, X))
 
 
 def test_segments_that_never_fit_raise_naming_the_largest_segment_and_its_lines(monkeypatch):
@@ -265,16 +279,68 @@ def test_segments_that_never_fit_raise_naming_the_largest_segment_and_its_lines(
     assert re.search(r"The largest segment runs equations \d+\.\.\d+ \(test_ooc_jit\.py:\d+", str(caught.value))
 
 
-def test_segment_costs_are_read_from_xla_memory_analysis():
-    step = tight_step()
+def test_a_chain_that_keeps_measuring_over_the_budget_gives_up_after_the_replan_limit(monkeypatch):
+    budget = tight_step().budget_bytes
+    planned, real_plan_window, real_executed_peak = [], oocjax.pipeline.plan_window, oocjax.pipeline.executed_peak
+
+    def counting_plan_window(program, budget_bytes, **options):
+        planned.append(budget_bytes)
+        return real_plan_window(program, budget_bytes, **options)
+
+    # STUB: every chain measures a KiB over the budget, whatever was planned; the segments' real
+    # costs still feed the re-plans, so every plan stays feasible and only the limit stops the loop.
+    monkeypatch.setattr(oocjax.pipeline, "plan_window", counting_plan_window)
+    monkeypatch.setattr(
+        oocjax.pipeline, "executed_peak", lambda segments, costs: (budget + KiB, real_executed_peak(segments, costs)[1])
+    )
+    with pytest.raises(OocError) as caught:
+        ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB).plan(PARAMS, X)
+    tries = oocjax.pipeline.MAX_REPLANS + 1
+    assert planned == [budget] * tries
+    message = str(caught.value)
+    assert type(caught.value) is OocError
+    assert f"do not fit the budget of {format_bytes(budget)}: " in message
+    assert message.count(f"planned for {format_bytes(budget)}, measured {format_bytes(budget + KiB)}") == tries
+    assert "the planner cannot go below" in message and "raise the budget" in message
+    assert re.search(r"The largest segment runs equations \d+\.\.\d+ \(test_ooc_jit\.py:\d+", message)
+
+
+def test_segment_costs_are_the_compiled_programs_own_memory_and_the_executor_launches_with_them():
+    step = tight_step(donate_argnums=(0,))
     plan = step.plan(PARAMS, X)
-    for lowered, cost in zip(step.lower(PARAMS, X), plan.segment_costs, strict=True):
-        stats = lowered.compile().memory_analysis()
-        assert (cost.temp_bytes, cost.output_bytes, cost.alias_bytes) == (
-            stats.temp_size_in_bytes,
-            stats.output_size_in_bytes,
-            stats.alias_size_in_bytes,
+    calls = [e for e in plan.jaxpr.eqns if e.primitive.name == "jit"]
+    for call, cost in zip(calls, plan.segment_costs, strict=True):
+        results = sum(v.aval.size * v.aval.dtype.itemsize for v in call.outvars)
+        donated = sum(
+            v.aval.size * v.aval.dtype.itemsize for v, gave in zip(call.invars, call.params["donated_invars"]) if gave
         )
+        # XLA allocates the segment's results (a tuple of them adds a few bytes of pointer table
+        # and alignment per result), reuses at most the donated arguments, and has scratch or none.
+        assert results <= cost.output_bytes <= results + 64 * len(call.outvars)
+        assert 0 <= cost.alias_bytes <= min(donated, cost.output_bytes)
+        assert cost.temp_bytes >= 0
+    assert any(c.alias_bytes > 0 for c in plan.segment_costs), "donated parameters are reused somewhere"
+    assert any(c.temp_bytes > 0 for c in plan.segment_costs), "a matmul segment needs scratch on XLA's CPU"
+    launches = []
+    with observe_segments(launches.append):
+        step([p.copy() for p in PARAMS], X)
+    assert [launch.cost for launch in launches] == list(plan.segment_costs)
+    assert all(launch.held_bytes + launch.cost.launch_bytes <= plan.budget_bytes for launch in launches)
+
+
+def test_the_rewritten_program_and_every_segment_pass_jaxs_type_checker():
+    plan = tight_step(donate_argnums=(0,)).plan(PARAMS, X)
+    calls = [e for e in plan.jaxpr.eqns if e.primitive.name == "jit"]
+    assert len(calls) == len(plan.segments) > 1
+    check_jaxpr(plan.jaxpr.jaxpr)
+    for call in calls:
+        check_jaxpr(call.params["jaxpr"].jaxpr)
+    # The checker does look: the chain with its first segment call moved last reads unbound values.
+    chain = plan.jaxpr.jaxpr
+    first = chain.eqns.index(calls[0])
+    shuffled = chain.replace(eqns=[*chain.eqns[:first], *chain.eqns[first + 1 :], calls[0]])
+    with pytest.raises(JaxprTypeError):
+        check_jaxpr(shuffled)
 
 
 # -- state kept on host, as a user meets it next -----------------------------------------------------
