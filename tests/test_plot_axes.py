@@ -1,0 +1,49 @@
+"""Plan.plot(ax=...) draws into the user's own matplotlib Axes, leaving the rest of their figure alone."""
+
+import pytest
+
+from oocjax.plan import Plan
+from oocjax.schedule import plan_window
+from tests.programs import MiB, mlp_chain
+
+matplotlib = pytest.importorskip("matplotlib")
+matplotlib.use("Agg")
+plt = pytest.importorskip("matplotlib.pyplot")
+
+
+@pytest.fixture
+def plan() -> Plan:
+    program = mlp_chain()
+    return Plan.build(program=program, schedule=plan_window(program, 16 * MiB), jaxpr=None, source_jaxpr=None)
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def test_the_memory_view_is_drawn_into_the_given_axes_and_returned(plan):
+    figure, (left, right) = plt.subplots(1, 2)
+    returned = plan.plot(ax=right)
+    assert returned is right
+    assert plt.get_fignums() == [figure.number], "no figure of its own"
+    assert not left.lines and not left.collections, "the other axes are untouched"
+    lines = {line.get_label(): line for line in right.get_lines()}
+    planned = next(line for label, line in lines.items() if label.startswith("planned"))
+    in_core = next(line for label, line in lines.items() if label.startswith("in-core"))
+    assert list(planned.get_ydata()) == [b / MiB for b in plan.timeline.device_bytes]
+    assert list(in_core.get_ydata()) == [b / MiB for b in plan.baseline_timeline.device_bytes]
+    assert list(lines["budget"].get_ydata()) == [16, 16]
+    assert list(lines["offload"].get_xdata()) == [m.after_step for m in plan.schedule.offloads]
+    assert list(lines["prefetch"].get_xdata()) == [m.issue_step for m in plan.schedule.prefetches]
+    assert right.get_legend() is not None and right.get_title() == "2 offloads, 4 arguments on host"
+
+
+def test_with_a_profile_the_stream_view_joins_the_given_axes_figure(plan):
+    figure, ax = plt.subplots()
+    memory_ax, stream_ax = plan.plot(ax=ax, profile="h100-pcie")
+    assert memory_ax is ax and ax.get_lines()
+    assert stream_ax.figure is figure and stream_ax is not ax
+    assert plt.get_fignums() == [figure.number]
+    assert len(stream_ax.collections) == 3  # compute, host-to-device, device-to-host
