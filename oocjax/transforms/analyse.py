@@ -6,14 +6,20 @@ Two passes, each one loop over equations:
   step rather than a handful of calls, and numbers every value with a global buffer id.
 * ``to_program`` sizes every buffer from its aval and turns each flat equation into a planner step.
   Other higher-order primitives (``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``,
-  ``custom_vjp_call``) stay one opaque step each; a rule per primitive names its bodies, whose own
-  peak becomes the step's scratch (``transient_bytes``) and whose work its flops. An unknown
-  higher-order primitive is an error: guessing its memory could break the budget.
+  ``custom_vjp_call``) stay one opaque step each, whose own peak becomes the step's scratch
+  (``transient_bytes``) and whose work its flops.
+
+What each primitive needs is one ``PrimitiveRule`` in ``primitive_rules``, keyed by primitive name:
+the call ``flatten`` inlines, the bodies an opaque call runs and how their costs combine (a ``cond``
+runs one branch, a ``while`` its condition and body once per trip, a ``scan`` its body ``length``
+times), or a first-order primitive's flops. A primitive without a rule gets ``_default_rule``: one
+flop per output element, unless it is higher-order, which is an error: guessing its memory could
+break the budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -46,9 +52,6 @@ class FlatProgram:
     outputs: tuple[Ref, ...]
 
 
-_INLINED = {jc.jit_p: "jaxpr", jc.closed_call_p: "call_jaxpr"}
-
-
 def flatten(closed: jc.ClosedJaxpr) -> FlatProgram:
     """Inlines nested ``jit`` (and ``closed_call``) equations, giving every value a buffer id."""
     avals: list[Any] = []
@@ -70,8 +73,9 @@ def flatten(closed: jc.ClosedJaxpr) -> FlatProgram:
 
         for eqn in jaxpr.eqns:
             inputs = [read(atom) for atom in eqn.invars]
-            if eqn.primitive in _INLINED:
-                callee = eqn.params[_INLINED[eqn.primitive]]
+            rule = primitive_rules.get(eqn.primitive.name)
+            if rule is not None and rule.inline_param is not None:
+                callee = eqn.params[rule.inline_param]
                 results = inline(callee.jaxpr, callee.consts, inputs)
             else:
                 results = [new(var.aval) for var in eqn.outvars]
@@ -93,18 +97,6 @@ def flatten(closed: jc.ClosedJaxpr) -> FlatProgram:
     )
 
 
-# Per higher-order primitive: its bodies, each with how many times it runs (for flops).
-BodyRule = Callable[[jc.JaxprEqn], list[tuple[Any, int]]]
-body_rules: dict[Any, BodyRule] = {
-    jc.scan_p: lambda eqn: [(eqn.params["jaxpr"], int(eqn.params["length"]))],
-    jc.while_p: lambda eqn: [(eqn.params["cond_jaxpr"], 1), (eqn.params["body_jaxpr"], 1)],
-    jc.cond_p: lambda eqn: [(branch, 1) for branch in eqn.params["branches"]],
-    jc.remat_p: lambda eqn: [(eqn.params["jaxpr"], 1)],
-    jc.custom_jvp_call_p: lambda eqn: [(eqn.params["call_jaxpr"], 1)],
-    jc.custom_vjp_call_p: lambda eqn: [(eqn.params["call_jaxpr"], 1)],
-}
-
-
 def _dot_general_flops(eqn: jc.JaxprEqn) -> int:
     (lhs_contracting, _), _ = eqn.params["dimension_numbers"]
     lhs = eqn.invars[0].aval
@@ -117,15 +109,96 @@ def _conv_flops(eqn: jc.JaxprEqn) -> int:
     return 2 * prod(eqn.outvars[0].aval.shape) * prod(rhs.shape) // max(out_features, 1)
 
 
-flops_rules: dict[str, Callable[[jc.JaxprEqn], int]] = {
-    "dot_general": _dot_general_flops,
-    "conv_general_dilated": _conv_flops,
+def _elementwise_flops(eqn: jc.JaxprEqn) -> int:
+    """Element-wise work: one operation per output element."""
+    return sum(prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+
+
+def _once(fe: FlatEquation) -> int:
+    return 1
+
+
+def _scan_length(fe: FlatEquation) -> int:
+    return int(fe.eqn.params["length"])
+
+
+def _while_trip_count(fe: FlatEquation) -> int:
+    """How many times a ``while`` runs, when its operands say so before it runs; else 1.
+
+    A loop that ends on data cannot be known before it runs: counting it once makes its flops a
+    lower bound, which is still better than none (the planner uses flops only to estimate time).
+    """
+    trips = _counted_loop_trips(fe)
+    return 1 if trips is None else trips
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrimitiveRule:
+    """How the analysis treats one primitive.
+
+    Attributes:
+      inline_param: the param holding a callee that ``flatten`` inlines (``jit``, ``closed_call``):
+        the planner sees the callee's equations instead of the call.
+      body_params: params holding the jaxprs an opaque call runs; a tuple param (``cond``'s
+        ``branches``) gives one body per item. Its bodies never run at the same time, so the
+        call's scratch is the largest body's. Empty for a first-order primitive.
+      combine_flops: one trip's flops from its bodies': ``sum`` where every body runs (a ``while``'s
+        condition and body), ``max`` where one does (a ``cond`` runs one branch: count the largest).
+      trip_count: how many trips the call makes, from its equation and operands (a ``scan``: its length).
+      flops: a first-order primitive's own flops.
+    """
+
+    inline_param: str | None = None
+    body_params: tuple[str, ...] = ()
+    combine_flops: Callable[[Iterable[int]], int] = sum
+    trip_count: Callable[[FlatEquation], int] = _once
+    flops: Callable[[jc.JaxprEqn], int] = _elementwise_flops
+
+
+_FIRST_ORDER = PrimitiveRule()
+
+primitive_rules: dict[str, PrimitiveRule] = {
+    jc.jit_p.name: PrimitiveRule(inline_param="jaxpr"),
+    jc.closed_call_p.name: PrimitiveRule(inline_param="call_jaxpr"),
+    jc.scan_p.name: PrimitiveRule(body_params=("jaxpr",), trip_count=_scan_length),
+    jc.while_p.name: PrimitiveRule(body_params=("cond_jaxpr", "body_jaxpr"), trip_count=_while_trip_count),
+    jc.cond_p.name: PrimitiveRule(body_params=("branches",), combine_flops=max),
+    jc.remat_p.name: PrimitiveRule(body_params=("jaxpr",)),
+    jc.custom_jvp_call_p.name: PrimitiveRule(body_params=("call_jaxpr",)),
+    jc.custom_vjp_call_p.name: PrimitiveRule(body_params=("call_jaxpr",)),
+    "dot_general": PrimitiveRule(flops=_dot_general_flops),
+    "conv_general_dilated": PrimitiveRule(flops=_conv_flops),
+    # Their jaxpr params are scalar combiners (how to add two elements), not calls: they need no
+    # scratch beyond their operands and results.
+    **{primitive.name: _FIRST_ORDER for primitive in jc.combiner_primitives},
 }
 
 
-def _default_flops(eqn: jc.JaxprEqn) -> int:
-    """Element-wise work: one operation per output element."""
-    return sum(prod(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+def _default_rule(eqn: jc.JaxprEqn) -> PrimitiveRule:
+    """A primitive without a rule is first-order, or refused: a call's memory cannot be guessed."""
+    held = dict.fromkeys(name for name, _ in jc.sub_jaxprs(eqn.params))
+    if not held:
+        return _FIRST_ORDER
+    name, where = eqn.primitive.name, jc.source_line(eqn) or "an unknown source line"
+    raise UnsupportedPrimitiveError(
+        f"oocjax has no rule for the higher-order primitive {name!r} (at {where}).\n"
+        "It cannot size the memory such a call uses inside, and guessing could break the budget.\n"
+        "Fixes:\n  1. move the call out of the function given to ooc_jit, or\n"
+        "  2. add a rule; if the call runs each of its jaxprs once:\n"
+        f"     oocjax.transforms.analyse.primitive_rules[{name!r}] = "
+        f"oocjax.transforms.analyse.PrimitiveRule(body_params={tuple(held)!r})"
+    )
+
+
+def _rule_for(eqn: jc.JaxprEqn) -> PrimitiveRule:
+    rule = primitive_rules.get(eqn.primitive.name)
+    return rule if rule is not None else _default_rule(eqn)
+
+
+def _bodies(eqn: jc.JaxprEqn, rule: PrimitiveRule) -> Iterator[Any]:
+    for param in rule.body_params:
+        value = eqn.params[param]
+        yield from value if isinstance(value, tuple) else (value,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,20 +252,12 @@ class _Analysis:
     def step(self, fe: FlatEquation, avals: Sequence[Any]) -> Step:
         eqn = fe.eqn
         reads = tuple(dict.fromkeys(r for r in fe.inputs if isinstance(r, int)))
-        scratch, flops = 0, flops_rules.get(eqn.primitive.name, _default_flops)(eqn)
-        if eqn.primitive in body_rules:
-            costs = [(self.body(body), trips) for body, trips in body_rules[eqn.primitive](eqn)]
-            scratch = max(c.scratch_bytes for c, _ in costs)
-            flops = max(c.flops * trips for c, trips in costs)
-        elif eqn.primitive not in jc.combiner_primitives and any(True for _ in jc.sub_jaxprs(eqn.params)):
-            where = jc.source_line(eqn) or "an unknown source line"
-            raise UnsupportedPrimitiveError(
-                f"oocjax has no rule for the higher-order primitive {eqn.primitive.name!r} (at {where}).\n"
-                "It cannot size the memory such a call uses inside, and guessing could break the budget.\n"
-                "Fixes:\n  1. move the call out of the function given to ooc_jit, or\n"
-                f"  2. add a rule: oocjax.transforms.analyse.body_rules[{eqn.primitive.name}_p] = "
-                "lambda eqn: [(body_jaxpr, trip_count), ...]"
-            )
+        rule = _rule_for(eqn)
+        scratch, flops = 0, rule.flops(eqn)
+        if rule.body_params:
+            costs = [self.body(body) for body in _bodies(eqn, rule)]
+            scratch = max(c.scratch_bytes for c in costs)
+            flops = rule.trip_count(fe) * rule.combine_flops(c.flops for c in costs)
         touched = sum(jc.nbytes(avals[b]) for b in (*reads, *fe.outputs))
         return Step(
             reads=reads,
@@ -240,3 +305,69 @@ def to_program(flat: FlatProgram, *, input_labels: Sequence[str], donated: Seque
     """The planner's program for a flattened step."""
     with gc_paused():
         return _Analysis().program(flat, input_labels=input_labels, donated=donated)
+
+
+def _counted_loop_trips(fe: FlatEquation) -> int | None:
+    """The trip count of a ``while`` written as a counted loop, or ``None`` if it is not one.
+
+    The pattern is ``fori_loop``'s when its bounds are traced values (with Python int bounds it writes
+    a ``scan``), and the hand-written ``while c[0] < n``: an integer counter carried from a literal,
+    stepped by a positive literal in the body, compared ``lt`` against a literal bound. The bound may
+    also be a condition operand or a carry the body passes on unchanged, whose value is a literal:
+    ``flatten`` puts a caller's literal there when the loop sits inside an inlined ``jit``.
+    """
+    params = fe.eqn.params
+    cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
+    cond_nconsts, body_nconsts = params["cond_nconsts"], params["body_nconsts"]
+    initial = fe.inputs[cond_nconsts + body_nconsts :]  # the carries' values before the first trip
+    compare = _defining_equation(cond, cond.outvars[0])
+    if compare is None or compare.primitive.name != "lt":
+        return None
+    counter_var, bound_var = compare.invars
+    counter = _position(counter_var, cond.invars[cond_nconsts:])
+    if counter is None:
+        return None
+    lower = _literal_int(initial[counter])
+    step = _counter_step(body, body_nconsts, counter)
+    upper = _literal_int(bound_var)  # a literal in the condition itself
+    if (k := _position(bound_var, cond.invars[:cond_nconsts])) is not None:
+        upper = _literal_int(fe.inputs[k])
+    elif (k := _position(bound_var, cond.invars[cond_nconsts:])) is not None and _passed_on(body, body_nconsts, k):
+        upper = _literal_int(initial[k])
+    if lower is None or upper is None or step is None or step <= 0:
+        return None
+    return max(0, -((lower - upper) // step))  # ceil((upper - lower) / step), none if upper <= lower
+
+
+def _counter_step(body: jc.Jaxpr, nconsts: int, counter: int) -> int | None:
+    """The literal the body adds to carry ``counter`` each trip, if that is all it does to it."""
+    before, after = body.invars[nconsts + counter], body.outvars[counter]
+    add = _defining_equation(body, after)
+    if add is None or add.primitive.name != "add":
+        return None
+    operands = add.invars
+    if operands[0] is before:
+        return _literal_int(operands[1])
+    if operands[1] is before:
+        return _literal_int(operands[0])
+    return None
+
+
+def _passed_on(body: jc.Jaxpr, nconsts: int, carry: int) -> bool:
+    """Whether the body returns carry ``carry`` unchanged, so that it keeps its initial value."""
+    return body.outvars[carry] is body.invars[nconsts + carry]
+
+
+def _defining_equation(jaxpr: jc.Jaxpr, atom: Any) -> jc.JaxprEqn | None:
+    return next((e for e in reversed(jaxpr.eqns) if any(o is atom for o in e.outvars)), None)
+
+
+def _position(atom: Any, atoms: Sequence[Any]) -> int | None:
+    return next((i for i, a in enumerate(atoms) if a is atom), None)
+
+
+def _literal_int(atom: Any) -> int | None:
+    """An integer literal's value; ``None`` for anything else (a traced value, a float)."""
+    if not isinstance(atom, jc.Literal) or getattr(atom.aval.dtype, "kind", None) not in ("i", "u"):
+        return None
+    return int(atom.val)
