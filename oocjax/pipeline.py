@@ -20,6 +20,7 @@ from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.plan import Plan
 from oocjax.schedule import Program, format_bytes, plan_window, required_bytes
 from oocjax.schedule.segments import Segment, SegmentCost, cut_segments, executed_peak, with_measured_scratch
+from oocjax.transforms import _compat as jc
 from oocjax.transforms.execute import ChainExecutor, compile_segments
 from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
 from oocjax.transforms.trace import TracedStep
@@ -30,7 +31,11 @@ MAX_REPLANS = 4  # closed loop on the budget: re-plans after the compiled segmen
 DEFAULT_MIN_SEGMENT_FLOPS = {"cpu": 10**8, "gpu": 4 * 10**11, "cuda": 4 * 10**11, "rocm": 4 * 10**11}
 # Operations that run whole, as one step with their internal peak as scratch: when one of them sets
 # the floor, the error says so.
-OPAQUE_LOOPS = {"scan": "a scan", "while": "a while loop", "checkpoint": "a remat (checkpoint) block"}
+OPAQUE_LOOPS = {
+    jc.scan_p.name: "a scan",
+    jc.while_p.name: "a while loop",
+    jc.remat_p.name: "a remat (checkpoint) block",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
