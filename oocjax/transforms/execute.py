@@ -15,6 +15,16 @@ segments"). So the executor counts
 and before each launch or prefetch it waits, oldest first, until ``held + pending + what the
 launch allocates`` fits the budget: the seed algorithm's "wait for a swap-out only when its memory
 is needed", extended to everything in flight.
+
+Where the device reports its allocator's ``bytes_in_use`` (GPUs; a CPU reports nothing), the
+executor also asks the allocator, because the account can fall short of it: on an H200 the
+allocator had up to 0.53 GiB more in use at a launch than ``held + pending`` (whether memory given
+back later than the account assumes, or memory outside it, was not yet known). At the start of a
+call the executor takes what is in use beyond its account as not its own (the caller's other
+arrays); before each launch or prefetch, after the account's wait, it goes on waiting, oldest
+first and then on the latest launch, while the allocator's count less that foreign memory plus
+what the launch allocates is over the budget, until nothing is left to wait on.
+``ALLOCATOR_GATE = False`` turns this off (the account alone), to measure what it changes.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from oocjax.schedule.segments import SegmentCost
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.memories import memory_kind, sharding, spec
 
+ALLOCATOR_GATE = True  # also wait on the allocator's bytes in use, where the device reports them
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Launch:
@@ -43,12 +55,17 @@ class Launch:
       cost: its compiled program's own memory.
       held_bytes: device bytes of the arrays the executor references now.
       in_flight_bytes: device bytes it has let go of that work still enqueued may be using.
+      allocator_bytes: the allocator's bytes in use as the gate last read them before this launch
+        (None where the device reports none, or ``ALLOCATOR_GATE`` is off).
+      foreign_bytes: bytes in use at the start of the call that were not the executor's.
     """
 
     segment: int
     cost: SegmentCost
     held_bytes: int
     in_flight_bytes: int
+    allocator_bytes: int | None = None
+    foreign_bytes: int = 0
 
 
 _observer: Callable[[Launch], None] | None = None
@@ -111,16 +128,29 @@ def _cost(compiled: Any) -> SegmentCost:
     )
 
 
+def allocator_reader(device: jax.Device) -> Callable[[], int | None] | None:
+    """A function reading the bytes ``device``'s allocator has in use; None where the device
+    reports no memory statistics (a CPU)."""
+    if "bytes_in_use" not in (device.memory_stats() or {}):
+        return None
+    return lambda: (device.memory_stats() or {}).get("bytes_in_use")
+
+
 class _DeviceMemory:
     """What the executor holds on the device and what it has let go of but may still be in use.
 
     What is in flight outlives a call: the next step's first launches are enqueued while the last
-    one's tail may still run, so ``pending`` carries over from call to call."""
+    one's tail may still run, so ``pending`` carries over from call to call. ``bytes_in_use`` reads
+    the allocator's own count (None: the device has none)."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, bytes_in_use: Callable[[], int | None] | None = None):
         self.budget_bytes = budget_bytes
+        self.bytes_in_use = bytes_in_use
         self.pending_bytes = 0
         self.pending: deque[list] = deque()  # [ready probe or None, bytes], oldest first
+        self.latest_launch: Any = None  # ready once the last launch is done, so are its deferred frees
+        self.foreign_bytes = 0
+        self.allocator_bytes: int | None = None  # the gate's last reading
         self.start_call()
 
     def start_call(self) -> None:
@@ -173,16 +203,48 @@ class _DeviceMemory:
         for entry in self.pending:
             if id(entry[0]) in gone:
                 entry[0] = probe
+        if id(self.latest_launch) in gone:
+            self.latest_launch = probe
+
+    def launched(self, probe: Any) -> None:
+        """A segment was launched; ``probe`` is ready once it is done."""
+        self.latest_launch = probe
+
+    def count_foreign(self) -> None:
+        """Takes what the allocator has in use beyond the executor's account, at the start of a call
+        (its arguments and constants held), as not the executor's: the caller's other arrays."""
+        self._forget_finished()
+        in_use = self._read_allocator()
+        self.foreign_bytes = 0 if in_use is None else max(0, in_use - self.held - self.pending_bytes)
 
     def make_room(self, nbytes: int) -> None:
-        """Waits, oldest first, until ``nbytes`` more fit the budget or nothing is left in flight."""
-        while self.pending and (self.pending[0][0] is None or self.pending[0][0].is_ready()):
-            self._forget_oldest()
+        """Waits, oldest first, until ``nbytes`` more fit the budget or nothing is left in flight:
+        by the account, then by the allocator's count."""
+        self._forget_finished()
         while self.pending and self.held + self.pending_bytes + nbytes > self.budget_bytes:
-            probe = self.pending[0][0]
-            if probe is not None:
-                probe.block_until_ready()
+            self._wait_oldest()
+        while True:
+            self.allocator_bytes = in_use = self._read_allocator()
+            if in_use is None or in_use - self.foreign_bytes + nbytes <= self.budget_bytes:
+                return
+            if self.pending:
+                self._wait_oldest()
+            elif self.latest_launch is not None:
+                _wait(self.latest_launch)  # its outputs' and the released arrays' frees happen after it
+                self.latest_launch = None
+            else:
+                return  # nothing left to wait on
+
+    def _read_allocator(self) -> int | None:
+        return self.bytes_in_use() if ALLOCATOR_GATE and self.bytes_in_use is not None else None
+
+    def _forget_finished(self) -> None:
+        while self.pending and _finished(self.pending[0][0]):
             self._forget_oldest()
+
+    def _wait_oldest(self) -> None:
+        _wait(self.pending[0][0])
+        self._forget_oldest()
 
     def _forget_oldest(self) -> None:
         _, nbytes = self.pending.popleft()
@@ -192,6 +254,17 @@ class _DeviceMemory:
 def _probe(values: Sequence[Any]) -> Any:
     """A value that is ready once the work that made ``values`` is done (None if none can tell)."""
     return next((x for x in values if hasattr(x, "is_ready")), None)
+
+
+def _finished(probe: Any) -> bool:
+    # A probe the caller has deleted since (a returned array it donated) cannot be polled: polling a
+    # deleted array crashes the process. Its work was enqueued before anything that deleted it.
+    return probe is None or probe.is_deleted() or probe.is_ready()
+
+
+def _wait(probe: Any) -> None:
+    if probe is not None and not probe.is_deleted():
+        probe.block_until_ready()
 
 
 class ChainExecutor:
@@ -209,7 +282,7 @@ class ChainExecutor:
             if isinstance(v, jc.Var):
                 self.last_use[v] = len(jaxpr.eqns)  # returned: never dropped
         self.host, self.device = sharding("pinned_host"), sharding("device")
-        self.memory = _DeviceMemory(budget_bytes)
+        self.memory = _DeviceMemory(budget_bytes, allocator_reader(next(iter(self.device.device_set))))
 
     def __call__(self, arguments: list[Any], owned: Sequence[bool] = ()) -> list[Any]:
         """Runs the chain on the flat arguments, taking the list over: it is emptied, so that no
@@ -231,22 +304,13 @@ class ChainExecutor:
             write(v, x, owned=mine)
         arguments.clear()
         del x
+        memory.count_foreign()
         segment = 0
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
             extra = 0
             if eqn.primitive is jc.jit_p:
-                cost = self.costs[segment]
-                memory.make_room(cost.launch_bytes)
-                if _observer is not None:
-                    _observer(
-                        Launch(segment=segment, cost=cost, held_bytes=memory.held, in_flight_bytes=memory.pending_bytes)
-                    )
-                outvals = self.programs[segment](*invals)
-                donated = [x for x, d in zip(invals, eqn.params["donated_invars"]) if d]
-                if donated:
-                    memory.consumed(donated, _probe(outvals))
-                extra = cost.temp_bytes - cost.alias_bytes
+                outvals, extra = self._launch(segment, eqn, invals)
                 segment += 1
             elif eqn.primitive is jc.device_put_p:
                 to_host = eqn.params["devices"][0] == jax.memory.Space.Host
@@ -263,3 +327,26 @@ class ChainExecutor:
             memory.release(dying, probe=_probe(outvals), extra_bytes=extra)
             del invals, outvals, dying  # no reference may outlive its last use
         return [v.val if isinstance(v, jc.Literal) else env[v] for v in jaxpr.outvars]
+
+    def _launch(self, segment: int, eqn: Any, invals: list[Any]) -> tuple[list[Any], int]:
+        """Launches a segment once there is room for it: its results, and the scratch it lets go of."""
+        memory, cost = self.memory, self.costs[segment]
+        memory.make_room(cost.launch_bytes)
+        if _observer is not None:
+            _observer(
+                Launch(
+                    segment=segment,
+                    cost=cost,
+                    held_bytes=memory.held,
+                    in_flight_bytes=memory.pending_bytes,
+                    allocator_bytes=memory.allocator_bytes,
+                    foreign_bytes=memory.foreign_bytes,
+                )
+            )
+        outvals = self.programs[segment](*invals)
+        probe = _probe(outvals)
+        donated = [x for x, d in zip(invals, eqn.params["donated_invars"]) if d]
+        if donated:
+            memory.consumed(donated, probe)
+        memory.launched(probe)
+        return outvals, cost.temp_bytes - cost.alias_bytes
