@@ -14,7 +14,22 @@ batch 8, seq 1024, vocabulary 1024 by default), each configuration in a fresh pr
   runtime ``peak_bytes_in_use`` must stay within the budget, and its losses should equal ``jax_jit``'s;
 - ``remat_nothing_saveable``, ``remat_offload_dots``: JAX's own baselines, the loss under
   ``jax.checkpoint`` with ``nothing_saveable`` and ``offload_dot_with_no_batch_dims("device",
-  "pinned_host")``, no cap.
+  "pinned_host")``, no cap;
+- ``ooc_jit_capped_account``, run only when ``--configurations`` names it: ``ooc_jit_capped`` with
+  the executor's allocator gate switched off (``execute.ALLOCATOR_GATE``: waits on its own byte
+  account alone), the baseline the gate is measured against.
+
+An ``ooc_jit`` configuration also looks for memory the executor does not account for. Its first
+step, and one more step after the timed ones, run *synced*: at every segment launch all device
+work is finished first, then the allocator's ``bytes_in_use`` (before and after that),
+``peak_bytes_in_use`` and the bytes of live device arrays are recorded against the executor's
+account (``held`` + ``in flight``) and the segment's ``memory_analysis``. Summarised in the
+record's ``synced_first_step`` / ``synced_last_step`` (``summarise_synced``): memory freed only
+once the sync finished work (late frees), memory in use beyond what the executor holds once
+nothing runs (a persistent gap), how much of it no live array explains, and, where the peak rose
+between two launches, what the segment really took against its ``launch_bytes``. The first step
+is the one where the peak rises most (it starts from the peak of planning), the last one is in
+steady state. The second loss step samples the same without syncing (``boundaries``).
 
 Each step configuration runs a few steps recording their losses (the first compiles), then times
 more steps one by one; ``s_per_step`` is their median. About 3-5 minutes on an H100 or H200
@@ -37,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import math
 import os
@@ -46,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -60,6 +77,10 @@ CONFIGURATIONS = {
     "remat_nothing_saveable": ("remat_nothing_saveable", False, False),
     "remat_offload_dots": ("remat_offload_dots", False, False),
 }
+# Run only when --configurations names them (diagnostics: not part of the check).
+ACCOUNT_ONLY_CONFIGURATIONS = {"ooc_jit_capped_account": ("ooc_jit", True, False)}
+ALL_CONFIGURATIONS = CONFIGURATIONS | ACCOUNT_ONLY_CONFIGURATIONS
+SYNCED_ROWS_KEPT = 20  # per synced step, the launches with the largest gap: keeps the JSON small
 GPU_MODEL = dict(layers=16, width=1024, heads=16, batch=8, seq=1024, vocab=1024)
 DRY_MODEL = dict(layers=2, width=64, heads=4, batch=4, seq=32, vocab=256)
 ENV_VARS = (
@@ -95,8 +116,11 @@ def run_step(config: dict) -> dict:
     import jax
 
     from oocjax import ooc_jit
+    from oocjax.transforms import execute
 
-    strategy, capped, expect_oom = CONFIGURATIONS[config["configuration"]]
+    strategy, capped, expect_oom = ALL_CONFIGURATIONS[config["configuration"]]
+    if config["configuration"] in ACCOUNT_ONLY_CONFIGURATIONS:
+        execute.ALLOCATOR_GATE = False
     device = jax.devices()[0]
     record = dict(
         configuration=config["configuration"],
@@ -109,6 +133,7 @@ def run_step(config: dict) -> dict:
         env=_env(),
         remat_pass=getattr(jax.config, "jax_compiler_enable_remat_pass", None),
         bytes_limit=_memory_stat(device, "bytes_limit"),
+        allocator_gate=execute.ALLOCATOR_GATE if strategy == "ooc_jit" else None,
     )
     phase = "setup"
     try:
@@ -177,7 +202,7 @@ def run_step(config: dict) -> dict:
         losses, times = [], []
         for i in range(config["loss_steps"]):  # the first one compiles (ooc_jit) or warms up
             started = time.perf_counter()
-            with _boundaries_sampled(device, record) if strategy == "ooc_jit" and i == 1 else contextlib.nullcontext():
+            with _sampled(strategy, i, device, record):
                 state, loss = step(state, batch)
             losses.append(float(loss))
             times.append(time.perf_counter() - started)
@@ -190,11 +215,25 @@ def run_step(config: dict) -> dict:
             times.append(time.perf_counter() - started)
         record |= dict(step_s=times, s_per_step=statistics.median(times), final_loss=float(loss))
         record["finite"] = all(math.isfinite(x) for x in [*losses, record["final_loss"]])
+        record["runtime_peak_bytes"] = _memory_stat(device, "peak_bytes_in_use")  # the synced step's is apart
+        if strategy == "ooc_jit":
+            phase = "synced step"
+            with _synced(device, record, "synced_last_step"):
+                state, loss = step(state, batch)
     except Exception as error:  # recorded: the expected OOM, and any failure, are results
         text = f"{type(error).__name__}: {error}"
         record |= dict(error=text[:3000], phase=phase, oom=is_oom(text))
-    record["runtime_peak_bytes"] = _memory_stat(device, "peak_bytes_in_use")
+    record.setdefault("runtime_peak_bytes", _memory_stat(device, "peak_bytes_in_use"))
     return record
+
+
+def _sampled(strategy: str, step: int, device, record: dict):
+    """What samples the ``step``-th loss step: for ``ooc_jit`` the first is synced, the second sampled."""
+    if strategy == "ooc_jit" and step == 0:
+        return _synced(device, record, "synced_first_step")
+    if strategy == "ooc_jit" and step == 1:
+        return _boundaries_sampled(device, record)
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -204,22 +243,152 @@ def _boundaries_sampled(device, record: dict):
     allocator reports nothing and this records nothing."""
     from oocjax.transforms.execute import observe_segments
 
-    worst = dict(in_use_over_account_bytes=None, in_use_plus_launch_bytes=None, segment=None)
+    worst = dict(
+        in_use_over_account_bytes=None,
+        in_use_plus_launch_bytes=None,
+        segment=None,
+        gate_reading_over_account_bytes=None,  # the allocator as the executor's gate last read it
+        foreign_bytes=None,
+    )
+
+    def raise_to(name: str, value: int | None) -> bool:
+        if value is None or (worst[name] is not None and value <= worst[name]):
+            return False
+        worst[name] = value
+        return True
 
     def sample(launch) -> None:
+        account = launch.held_bytes + launch.in_flight_bytes
+        if launch.allocator_bytes is not None:
+            raise_to("gate_reading_over_account_bytes", launch.allocator_bytes - account)
+            raise_to("foreign_bytes", launch.foreign_bytes)
         in_use = _memory_stat(device, "bytes_in_use")
-        if in_use is None:
-            return
-        over = in_use - launch.held_bytes - launch.in_flight_bytes
-        if worst["in_use_over_account_bytes"] is None or over > worst["in_use_over_account_bytes"]:
-            worst["in_use_over_account_bytes"] = over
-        total = in_use + launch.cost.launch_bytes
-        if worst["in_use_plus_launch_bytes"] is None or total > worst["in_use_plus_launch_bytes"]:
-            worst.update(in_use_plus_launch_bytes=total, segment=launch.segment)
+        if in_use is not None:
+            raise_to("in_use_over_account_bytes", in_use - account)
+            if raise_to("in_use_plus_launch_bytes", in_use + launch.cost.launch_bytes):
+                worst["segment"] = launch.segment
 
     with observe_segments(sample):
         yield
     record["boundaries"] = worst
+
+
+@contextlib.contextmanager
+def _synced(device, record: dict, key: str):
+    """During one ooc_jit step, at every segment launch: all device work finished first, then the
+    allocator read against the executor's account (``_synced_row``); also before and after the
+    step. ``record[key]`` is their summary. Values the device does not report are None."""
+    from oocjax.transforms.execute import observe_segments
+
+    rows = [_synced_row(device)]
+    with observe_segments(lambda launch: rows.append(_synced_row(device, launch))):
+        yield
+    rows.append(_synced_row(device))
+    record[key] = summarise_synced(rows)
+
+
+def _synced_row(device, launch=None) -> dict:
+    """The allocator before and after finishing all device work, the live device arrays after,
+    and (at a launch) the executor's account and the segment's memory."""
+    import jax
+
+    unsynced = _memory_stat(device, "bytes_in_use")
+    live = jax.live_arrays()
+    for x in live:
+        x.block_until_ready()
+    stats = device.memory_stats() or {}
+    row = dict(
+        segment=None if launch is None else launch.segment,
+        unsynced_in_use=unsynced,
+        in_use=stats.get("bytes_in_use"),
+        peak=stats.get("peak_bytes_in_use"),
+        live_device=sum(x.nbytes for x in live if x.sharding.memory_kind == "device"),
+    )
+    if launch is not None:
+        cost = launch.cost
+        row |= dict(
+            held=launch.held_bytes,
+            in_flight=launch.in_flight_bytes,
+            foreign=launch.foreign_bytes,
+            gate_reading=launch.allocator_bytes,
+            temp=cost.temp_bytes,
+            output=cost.output_bytes,
+            alias=cost.alias_bytes,
+            launch_bytes=cost.launch_bytes,
+        )
+    return row
+
+
+def summarise_synced(rows: list[dict], kept: int = SYNCED_ROWS_KEPT) -> dict:
+    """What the rows of one synced step (``_synced_row``: before the step, at each launch, after it)
+    say about memory the executor does not account for. Each ``max_*`` is ``{"bytes", "segment"}``
+    at the launch where it is largest (None without allocator statistics):
+
+    - ``max_late_freed``: in use before the sync, free after it: memory given back only once work
+      finished (async dispatch), which the account had already let go of or never counted;
+    - ``max_unsynced_over_account``: before the sync, beyond ``held + in_flight`` (what the
+      unsynced ``boundaries`` measure);
+    - ``max_in_use_over_held``: after the sync (nothing runs, so nothing is in flight), beyond what
+      the executor holds: the persistent gap; ``max_in_use_over_account`` subtracts the account's
+      ``in_flight`` too;
+    - ``max_in_use_over_live``: after the sync, beyond every live device array (allocator rounding,
+      programs' constants, buffers no array owns); ``max_live_over_held``: live arrays the
+      executor does not hold (the caller's, the chain's constants after their last use).
+
+    ``transients``: where ``peak_bytes_in_use`` rose between two samples, the rise over what was in
+    use before the segment launched in between (``segment``; None: the argument moves before the
+    first launch), against its ``launch_bytes`` (``excess_bytes``: scratch ``memory_analysis``
+    does not see, or prefetches issued in the same interval, which ``held_rise_bytes`` shows);
+    the 5 largest. ``rows``: the ``kept`` launches with the largest persistent gap.
+    """
+    launches = [r for r in rows if "held" in r and r["in_use"] is not None]
+
+    def worst(gap: Callable[[dict], int]) -> dict | None:
+        if not launches:
+            return None
+        r = max(launches, key=gap)
+        return dict(bytes=gap(r), segment=r["segment"])
+
+    transients = _peak_rises(rows)
+    return dict(
+        launches=sum("held" in r for r in rows),
+        peak_after_bytes=rows[-1]["peak"] if rows else None,
+        max_late_freed=worst(lambda r: r["unsynced_in_use"] - r["in_use"]),
+        max_unsynced_over_account=worst(lambda r: r["unsynced_in_use"] - r["held"] - r["in_flight"]),
+        max_in_use_over_held=worst(lambda r: r["in_use"] - r["held"]),
+        max_in_use_over_account=worst(lambda r: r["in_use"] - r["held"] - r["in_flight"]),
+        max_in_use_over_live=worst(lambda r: r["in_use"] - r["live_device"]),
+        max_live_over_held=worst(lambda r: r["live_device"] - r["held"]),
+        max_foreign=worst(lambda r: r["foreign"]),
+        peak_rises=len(transients),
+        transients=transients[:5],
+        rows=sorted(launches, key=lambda r: r["in_use"] - r["held"], reverse=True)[:kept],
+    )
+
+
+def _peak_rises(rows: list[dict]) -> list[dict]:
+    """Between consecutive synced samples where the runtime peak rose, what the interval really
+    took over what was in use before it, against its segment's launch bytes; largest excess first."""
+    rises = []
+    for before, after in itertools.pairwise(rows):
+        if None in (before["peak"], after["peak"], before["in_use"]) or after["peak"] <= before["peak"]:
+            continue
+        rise, launch = after["peak"] - before["in_use"], before.get("launch_bytes")
+        rises.append(
+            dict(
+                segment=before["segment"],
+                in_use_before=before["in_use"],
+                peak=after["peak"],
+                transient_bytes=rise,
+                launch_bytes=launch,
+                excess_bytes=None if launch is None else rise - launch,
+                held_rise_bytes=after["held"] - before["held"] if "held" in before and "held" in after else None,
+                temp=before.get("temp"),
+            )
+        )
+    return sorted(
+        rises, key=lambda t: t["transient_bytes"] if t["excess_bytes"] is None else t["excess_bytes"], reverse=True
+    )
 
 
 def link_probe(megabytes: int = 1024, repeats: int = 5) -> dict:
@@ -390,6 +559,7 @@ def summarise(record: dict) -> dict:
                 f"{_bytes(ooc['budget_bytes'])}"
             )
     capped = by.get("jax_jit_capped", {})
+    diagnostics = {r["configuration"]: _memory_digest(r) for r in record["results"] if r.get("strategy") == "ooc_jit"}
     if not record["dry_run"] and capped and not capped.get("oom"):
         warnings.append("jax_jit_capped did not run out of memory: the cap does not prove that the step does not fit")
     return dict(
@@ -402,8 +572,35 @@ def summarise(record: dict) -> dict:
         ooc_within_budget=within,
         ooc_vs_jax_jit=ooc.get("vs_jax_jit"),
         ooc_loss_max_abs_diff=ooc.get("loss_max_abs_diff"),
+        ooc_memory=diagnostics,
         failures=failures,
         warnings=warnings,
+    )
+
+
+def _memory_digest(r: dict) -> dict:
+    """An ``ooc_jit`` record's memory against its budget, and the headline figures of its synced
+    steps (``summarise_synced``): bytes, or None where the device reports none."""
+    budget, peak = r.get("budget_bytes"), r.get("runtime_peak_bytes")
+    first, last = r.get("synced_first_step") or {}, r.get("synced_last_step") or {}
+
+    def figure(synced: dict, name: str) -> int | None:
+        return (synced.get(name) or {}).get("bytes")
+
+    worst = next(iter(first.get("transients") or []), {})
+    return dict(
+        allocator_gate=r.get("allocator_gate"),
+        runtime_peak_bytes=peak,
+        over_budget_bytes=None if peak is None or not budget else peak - budget,
+        s_per_step=r.get("s_per_step"),
+        unsynced_over_account_bytes=(r.get("boundaries") or {}).get("in_use_over_account_bytes"),
+        late_freed_bytes=figure(last, "max_late_freed"),
+        persistent_gap_bytes=figure(last, "max_in_use_over_held"),
+        not_in_live_arrays_bytes=figure(last, "max_in_use_over_live"),
+        live_not_held_bytes=figure(last, "max_live_over_held"),
+        synced_first_step_peak_bytes=first.get("peak_after_bytes"),
+        worst_transient_excess_bytes=worst.get("excess_bytes"),
+        worst_transient_segment=worst.get("segment"),
     )
 
 
@@ -434,6 +631,13 @@ def describe(r: dict) -> str:
         parts.append(f"losses max |diff| {r['loss_max_abs_diff']:.3g}")
     if r.get("expect_oom") and r.get("platform") != "cpu":
         parts.append("did NOT run out of memory")
+    if r.get("strategy") == "ooc_jit":
+        d = _memory_digest(r)
+        parts.append(
+            f"gate {'on' if d['allocator_gate'] else 'off'}; synced: late frees {_bytes(d['late_freed_bytes'])}, "
+            f"gap {_bytes(d['persistent_gap_bytes'])} ({_bytes(d['not_in_live_arrays_bytes'])} in no live array), "
+            f"worst scratch excess {_bytes(d['worst_transient_excess_bytes'])} (segment {d['worst_transient_segment']})"
+        )
     return name + ", ".join(parts)
 
 
@@ -466,7 +670,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="a CPU-tiny GPT, no cap: checks the script, not a GPU")
     parser.add_argument("--out", help="a JSON file, or a folder for the default name gpu-<device>-<date>.json")
-    parser.add_argument("--configurations", default=",".join(CONFIGURATIONS), help="which step configurations")
+    parser.add_argument(
+        "--configurations",
+        default=",".join(CONFIGURATIONS),
+        help=f"which step configurations (also: {', '.join(ACCOUNT_ONLY_CONFIGURATIONS)})",
+    )
     parser.add_argument("--layers", type=int)
     parser.add_argument("--width", type=int)
     parser.add_argument("--heads", type=int)
@@ -497,9 +705,9 @@ def main() -> None:
     model = dict(DRY_MODEL if dry else GPU_MODEL)
     model |= {k: v for k in model if (v := getattr(args, k)) is not None}
     names = args.configurations.split(",")
-    unknown = sorted(set(names) - set(CONFIGURATIONS))
+    unknown = sorted(set(names) - set(ALL_CONFIGURATIONS))
     if unknown:
-        parser.error(f"unknown configurations {unknown}; choose from {list(CONFIGURATIONS)}")
+        parser.error(f"unknown configurations {unknown}; choose from {list(ALL_CONFIGURATIONS)}")
     common = dict(
         dry_run=dry,
         model=model,
@@ -546,7 +754,7 @@ def main() -> None:
         raise SystemExit("no GPU here (jax.devices() is a CPU): run with --dry-run to check the script")
     mem_fraction = None if dry else args.mem_fraction
     for name in names:
-        _, capped, _ = CONFIGURATIONS[name]
+        _, capped, _ = ALL_CONFIGURATIONS[name]
         if capped and not dry and mem_fraction is None:
             jit = next((r for r in record["results"] if r["configuration"] == "jax_jit"), {})
             mem_fraction = cap_fraction(jit, record["link"].get("bytes_limit"), args.cap_of_peak)
