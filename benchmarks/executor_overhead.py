@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -21,10 +22,9 @@ import jax.numpy as jnp
 
 from oocjax import ooc_jit
 
-try:
-    from benchmarks._machine import machine
-except ImportError:
-    from _machine import machine
+if __package__ in (None, ""):  # run as ``python benchmarks/executor_overhead.py``: put the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._machine import machine
 
 
 def mlp_step(params, x):

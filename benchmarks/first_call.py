@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -20,10 +21,10 @@ import jax
 
 from oocjax import ooc_jit
 
-try:
-    from benchmarks._machine import machine
-except ImportError:
-    from _machine import machine
+if __package__ in (None, ""):  # run as ``python benchmarks/first_call.py``: put the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._machine import machine
+from tests.zoo import all_cases
 
 FRACTIONS = (0.6, 0.35)
 
@@ -66,8 +67,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out")
     args = parser.parse_args()
-    from tests.zoo import all_cases
-
     rows = [row for case in all_cases() for row in measure(case, args.repeats)]
     if args.out:
         record = dict(benchmark="first_call", repeats=args.repeats, rows=rows, jax=jax.__version__, **machine())

@@ -3,20 +3,26 @@ serves CPU-sized checks and GPU-sized runs.
 
 Each builder returns a ``Workload``: the step ``(state, batch) -> (state, loss)``, and abstract
 (``jax.ShapeDtypeStruct``) state and batch, so that planning a 20 GiB model allocates nothing. Use
-``Workload.materialise`` for real arrays when the step is to run.
+``Workload.materialise`` for real arrays when the step is to run. The models are the shared ones of
+``examples/models.py``.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+if __package__ in (None, ""):  # imported as ``models`` by a script in benchmarks/: put the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from examples.models import MLP, ResNet, Transformer
 
 
 @dataclass(frozen=True)
@@ -82,21 +88,8 @@ def _workload(name, model, optimizer, example_inputs, loss_fn, batch, *, mutable
 # -- MLP --------------------------------------------------------------------------------------------
 
 
-class MLP(nn.Module):
-    width: int
-    depth: int
-    classes: int = 1000
-    dtype: Any = jnp.bfloat16
-
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(self.depth):
-            x = nn.gelu(nn.Dense(self.width, dtype=self.dtype)(x))
-        return nn.Dense(self.classes, dtype=self.dtype)(x)
-
-
 def mlp(width: int = 4096, depth: int = 16, batch: int = 4096) -> Workload:
-    model = MLP(width, depth)
+    model = MLP(width, depth, classes=1000, activation=jax.nn.gelu, dtype=jnp.bfloat16)
     data = (jax.ShapeDtypeStruct((batch, width), jnp.bfloat16), jax.ShapeDtypeStruct((batch,), jnp.int32))
 
     def loss_fn(model, variables, batch):
@@ -110,41 +103,8 @@ def mlp(width: int = 4096, depth: int = 16, batch: int = 4096) -> Workload:
 # -- ResNet-50-style CNN ----------------------------------------------------------------------------
 
 
-class Bottleneck(nn.Module):
-    features: int
-    strides: int
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x):
-        norm = lambda: nn.BatchNorm(use_running_average=False, dtype=self.dtype)  # noqa: E731
-        y = nn.relu(norm()(nn.Conv(self.features, (1, 1), dtype=self.dtype)(x)))
-        y = nn.relu(norm()(nn.Conv(self.features, (3, 3), self.strides, dtype=self.dtype)(y)))
-        y = norm()(nn.Conv(4 * self.features, (1, 1), dtype=self.dtype)(y))
-        if x.shape != y.shape:
-            x = norm()(nn.Conv(4 * self.features, (1, 1), self.strides, dtype=self.dtype)(x))
-        return nn.relu(x + y)
-
-
-class ResNet(nn.Module):
-    stages: tuple[int, ...] = (3, 4, 6, 3)
-    width: int = 64
-    classes: int = 1000
-    dtype: Any = jnp.bfloat16
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Conv(self.width, (7, 7), 2, dtype=self.dtype)(x)
-        x = nn.relu(nn.BatchNorm(use_running_average=False, dtype=self.dtype)(x))
-        x = nn.max_pool(x, (3, 3), (2, 2), padding="SAME")
-        for i, blocks in enumerate(self.stages):
-            for j in range(blocks):
-                x = Bottleneck(self.width * 2**i, 2 if i > 0 and j == 0 else 1, self.dtype)(x)
-        return nn.Dense(self.classes, dtype=self.dtype)(x.mean(axis=(1, 2)))
-
-
 def resnet50(batch: int = 128, image: int = 224, width: int = 64) -> Workload:
-    model = ResNet(width=width)
+    model = ResNet(width=width, dtype=jnp.bfloat16)
     data = (jax.ShapeDtypeStruct((batch, image, image, 3), jnp.bfloat16), jax.ShapeDtypeStruct((batch,), jnp.int32))
 
     def loss_fn(model, variables, batch):
@@ -159,38 +119,6 @@ def resnet50(batch: int = 128, image: int = 224, width: int = 64) -> Workload:
 
 
 # -- GPT-2-style decoder and BERT-style encoder --------------------------------------------------------
-
-
-class TransformerBlock(nn.Module):
-    width: int
-    heads: int
-    causal: bool
-    dtype: Any
-
-    @nn.compact
-    def __call__(self, x):
-        mask = nn.make_causal_mask(x[..., 0]) if self.causal else None
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, dtype=self.dtype)(h, h, mask=mask)
-        h = nn.LayerNorm(dtype=self.dtype)(x)
-        return x + nn.Dense(self.width, dtype=self.dtype)(nn.gelu(nn.Dense(4 * self.width, dtype=self.dtype)(h)))
-
-
-class Transformer(nn.Module):
-    layers: int
-    width: int
-    heads: int
-    vocab: int
-    causal: bool
-    dtype: Any = jnp.bfloat16
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.width, dtype=self.dtype)(tokens)
-        x = x + self.param("position", nn.initializers.normal(0.02), (tokens.shape[1], self.width))
-        for _ in range(self.layers):
-            x = TransformerBlock(self.width, self.heads, self.causal, self.dtype)(x)
-        return nn.Dense(self.vocab, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
 
 
 def _language_model(name, model, batch, seq) -> Workload:
@@ -214,7 +142,7 @@ def gpt2(
     dtype: Any = jnp.bfloat16,
 ) -> Workload:
     """A GPT-2-style decoder; ``dtype`` is the compute dtype (parameters are float32 either way)."""
-    model = Transformer(layers, width, heads, vocab=vocab, causal=True, dtype=dtype)
+    model = Transformer(vocab=vocab, width=width, heads=heads, layers=layers, causal=True, dtype=dtype)
     suffix = "" if jnp.dtype(dtype) == jnp.bfloat16 else f"-{jnp.dtype(dtype).name}"
     return _language_model(f"gpt2-{layers}x{width}-b{batch}-s{seq}{suffix}", model, batch, seq)
 
@@ -222,7 +150,7 @@ def gpt2(
 def bert(
     layers: int = 12, width: int = 768, heads: int = 12, batch: int = 32, seq: int = 512, vocab: int = 30522
 ) -> Workload:
-    model = Transformer(layers, width, heads, vocab=vocab, causal=False)
+    model = Transformer(vocab=vocab, width=width, heads=heads, layers=layers, causal=False, dtype=jnp.bfloat16)
     return _language_model(f"bert-{layers}x{width}-b{batch}-s{seq}", model, batch, seq)
 
 

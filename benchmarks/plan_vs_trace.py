@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -28,37 +28,15 @@ from oocjax.schedule.segments import cut_segments
 from oocjax.transforms.analyse import flatten, to_program
 from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
 
-try:
-    from benchmarks._machine import machine
-except ImportError:  # run as a script from benchmarks/
-    from _machine import machine
+if __package__ in (None, ""):  # run as ``python benchmarks/plan_vs_trace.py``: put the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._machine import machine
+from examples.models import Transformer
 
 
-class Block(nn.Module):
-    width: int
-    heads: int
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=nn.make_causal_mask(x[..., 0]))
-        h = nn.LayerNorm()(x)
-        return x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(h)))
-
-
-class GPT(nn.Module):
-    layers: int
-    width: int = 64
-    heads: int = 4
-    vocab: int = 256
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(self.vocab, self.width)(tokens)
-        x = x + self.param("position", nn.initializers.normal(0.02), (tokens.shape[1], self.width))
-        for _ in range(self.layers):
-            x = Block(self.width, self.heads)(x)
-        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+def gpt(layers: int) -> Transformer:
+    """The GPT-2-style decoder this benchmark plans: small in width, long in layers."""
+    return Transformer(vocab=256, width=64, heads=4, layers=layers, causal=True)
 
 
 def make_step(model, optimizer):
@@ -92,7 +70,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
 
-    model, optimizer = GPT(args.layers), optax.adamw(1e-3)
+    model, optimizer = gpt(args.layers), optax.adamw(1e-3)
     tokens = jnp.zeros((8, 65), jnp.int32)
     params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1])
     state = (params, jax.eval_shape(optimizer.init, params))

@@ -17,6 +17,7 @@ import argparse
 import datetime
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -34,12 +35,10 @@ from oocjax.schedule import (
 from oocjax.schedule.cost import simulate_time
 from oocjax.transforms.analyse import flatten, to_program
 
-try:
-    from benchmarks._machine import machine
-    from benchmarks.models import gpu_suite
-except ImportError:  # run as a script from benchmarks/
-    from _machine import machine
-    from models import gpu_suite
+if __package__ in (None, ""):  # run as ``python benchmarks/simulated.py``: put the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._machine import machine
+from benchmarks.models import gpu_suite
 
 PROFILES = ("h100-pcie", "gh200")
 STRATEGIES = ("window", "swap_all_just_in_time", "fixed_lookahead_4", "keep_all")

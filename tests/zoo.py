@@ -1,8 +1,8 @@
 """Training steps written as users write them (Flax Linen + Optax), small enough for a CPU.
 
 Each case gives a step ``(state, batch) -> (state, metrics)``, an initial state, a few batches and
-whether the state is donated. The steps are plain functions: the tests jit them with ``jax.jit``
-and with ``ooc_jit`` and compare.
+whether the state is donated. The models are the shared ones of ``examples/models.py``; the steps are
+plain functions: the tests jit them with ``jax.jit`` and with ``ooc_jit`` and compare.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+
+from examples.models import CNN, MLP, Transformer
 
 
 @dataclass(frozen=True)
@@ -26,54 +27,6 @@ class Case:
     donate: bool
 
 
-class MLP(nn.Module):
-    width: int = 96
-    depth: int = 6
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(self.depth):
-            x = nn.relu(nn.Dense(self.width, dtype=self.dtype, param_dtype=self.dtype)(x))
-        return nn.Dense(10, dtype=self.dtype, param_dtype=self.dtype)(x)
-
-
-class CNN(nn.Module):
-    @nn.compact
-    def __call__(self, x, train: bool):
-        for features in (8, 8, 16, 16, 16, 16):
-            x = nn.Conv(features, (3, 3))(x)
-            x = nn.BatchNorm(use_running_average=not train)(x)
-            x = nn.relu(x)
-        return nn.Dense(10)(x.mean(axis=(1, 2)))
-
-
-class Block(nn.Module):
-    width: int = 64
-
-    @nn.compact
-    def __call__(self, x, train: bool):
-        h = nn.LayerNorm()(x)
-        # No biases: the key bias has an exactly zero gradient (softmax ignores a shift along the
-        # keys), so Adam would amplify rounding noise in it to the size of the learning rate.
-        h = nn.MultiHeadDotProductAttention(num_heads=4, dropout_rate=0.1, deterministic=not train, use_bias=False)(h)
-        x = x + nn.Dropout(0.1, deterministic=not train)(h)
-        h = nn.Dense(4 * self.width)(nn.LayerNorm()(x))
-        return x + nn.Dropout(0.1, deterministic=not train)(nn.Dense(self.width)(nn.gelu(h)))
-
-
-class TinyLM(nn.Module):
-    vocab: int = 50
-    width: int = 64
-
-    @nn.compact
-    def __call__(self, tokens, train: bool):
-        x = nn.Embed(self.vocab, self.width)(tokens)
-        for _ in range(4):
-            x = Block(self.width)(x, train)
-        return nn.Dense(self.vocab)(x)
-
-
 def _classifier_batches(key, n, shape, dtype=jnp.float32):
     keys = jax.random.split(key, n)
     return [
@@ -83,7 +36,7 @@ def _classifier_batches(key, n, shape, dtype=jnp.float32):
 
 
 def mlp_adam(dtype=jnp.float32, name="mlp_adam") -> Case:
-    model, optimizer = MLP(dtype=dtype), optax.adam(1e-3)
+    model, optimizer = MLP(width=96, depth=6, dtype=dtype, param_dtype=dtype), optax.adam(1e-3)
     params = model.init(jax.random.key(0), jnp.zeros((1, 64), dtype))
 
     def step(state, batch):
@@ -132,7 +85,20 @@ def cnn_batchnorm_momentum() -> Case:
 
 
 def transformer_dropout_adamw() -> Case:
-    model, optimizer = TinyLM(), optax.adamw(1e-3, weight_decay=0.01)
+    # No attention biases: the key bias has an exactly zero gradient (softmax ignores a shift along the
+    # keys), so Adam would amplify rounding noise in it to the size of the learning rate.
+    model = Transformer(
+        vocab=50,
+        width=64,
+        heads=4,
+        layers=4,
+        causal=False,
+        dropout_rate=0.1,
+        attention_bias=False,
+        position_embedding=False,
+        final_norm=False,
+    )
+    optimizer = optax.adamw(1e-3, weight_decay=0.01)
     params = model.init(jax.random.key(0), jnp.zeros((1, 32), jnp.int32), train=False)
 
     def step(state, batch):
