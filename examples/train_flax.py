@@ -1,59 +1,34 @@
 """Train a small Flax (Linen) transformer with Optax under a device-memory budget that forces offloading.
 
 The task is copying: the second half of each sequence repeats the first half, so the loss on the
-second half falls towards zero once attention learns to look back. The step is wrapped in
-``ooc_jit`` with a budget well under what it needs in-core, so activations and parameters are
-moved to host memory and back inside the compiled step.
+second half falls towards zero once attention learns to look back. The model is the GPT-style
+``Transformer`` of ``models.py``, next to this file. The step is wrapped in ``ooc_jit`` with a budget
+well under what it needs in-core, so activations and parameters are moved to host memory and back
+inside the compiled step.
 
 On a CPU the transfers are dropped by XLA's CPU backend (the numbers are the same either way); the
 plan, and the program lowered for a GPU, are what they would be on a GPU.
 
-    python examples/train_flax.py [--steps 300] [--budget-fraction 0.5]
+    python examples/train_flax.py [--steps 300] [--budget-fraction 0.5] [--json result.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from models import Transformer  # models.py, next to this file
 from tqdm import tqdm
 
 from oocjax import ooc_jit
 from oocjax.schedule import format_bytes
 
 VOCAB, LENGTH = 32, 64
-
-
-class Block(nn.Module):
-    width: int
-    heads: int
-
-    @nn.compact
-    def __call__(self, x, mask):
-        h = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=mask)
-        h = nn.LayerNorm()(x)
-        return x + nn.Dense(self.width)(nn.gelu(nn.Dense(4 * self.width)(h)))
-
-
-class Transformer(nn.Module):
-    width: int = 64
-    heads: int = 4
-    layers: int = 3
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(VOCAB, self.width)(tokens) + self.param(
-            "position", nn.initializers.normal(0.02), (tokens.shape[1], self.width)
-        )
-        mask = nn.make_causal_mask(tokens)
-        for _ in range(self.layers):
-            x = Block(self.width, self.heads)(x, mask)
-        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
 
 
 def copy_batch(key, batch):
@@ -82,9 +57,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--budget-fraction", type=float, default=0.5, help="of the in-core estimate")
+    parser.add_argument("--json", type=Path, help="also write the plan's figures and the losses to this file")
     args = parser.parse_args()
 
-    model = Transformer()
+    model = Transformer(vocab=VOCAB, width=64, heads=4, layers=3, causal=True)
     optimizer = optax.adamw(3e-3)
     key = jax.random.key(0)
     params = model.init(key, jnp.zeros((1, LENGTH - 1), jnp.int32))
@@ -116,6 +92,10 @@ def main() -> None:
             if i % 25 == 0:
                 progress.set_postfix(loss=f"{losses[-1]:.3f}")
     print(f"{args.steps} steps in {time.perf_counter() - started:.1f}s; loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    if args.json:
+        figures = dict(in_core_estimate_bytes=in_core, budget_bytes=budget, planned_peak_bytes=plan.peak_bytes)
+        figures |= dict(executed_peak_bytes=plan.executed_peak_bytes, offloads=len(plan.offloads), losses=losses)
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
     if not losses[-1] < 0.5 * losses[0]:
         raise SystemExit("the loss did not fall: training under the budget did not work")
 

@@ -3,12 +3,14 @@
 A small residual MLP learns a fixed random teacher network on synthetic data, under half of the
 step's in-core memory estimate.
 
-    python examples/train_nnx.py [--steps 200]
+    python examples/train_nnx.py [--steps 200] [--json result.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--json", type=Path, help="also write the plan's figures and the losses to this file")
     args = parser.parse_args()
 
     width = 128
@@ -60,7 +63,8 @@ def main() -> None:
 
     x, y = batch(0)
     in_core = ooc_jit(train_step, budget=2**62).plan(state, x, y).baseline_peak_bytes
-    step = ooc_jit(train_step, budget=in_core // 2, donate_argnums=(0,), min_offload_bytes=64 * 1024)
+    budget = in_core // 2
+    step = ooc_jit(train_step, budget=budget, donate_argnums=(0,), min_offload_bytes=64 * 1024)
     plan = step.plan(state, x, y)
     print(f"in-core estimate {format_bytes(in_core)}")
     print(plan)
@@ -70,6 +74,10 @@ def main() -> None:
         state, loss = step(state, *batch(i))
         losses.append(float(loss))
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if args.json:
+        figures = dict(in_core_estimate_bytes=in_core, budget_bytes=budget, planned_peak_bytes=plan.peak_bytes)
+        figures |= dict(executed_peak_bytes=plan.executed_peak_bytes, offloads=len(plan.offloads), losses=losses)
+        args.json.write_text(json.dumps(figures, indent=1) + "\n")
     if not losses[-1] < 0.5 * losses[0]:
         raise SystemExit("the loss did not fall")
 

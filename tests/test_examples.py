@@ -1,5 +1,6 @@
-"""The examples run as users run them."""
+"""The examples run as users run them, and do what they say: train under half their in-core memory."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +10,53 @@ import pytest
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
-@pytest.mark.slow
-def test_the_nnx_example_trains_under_half_its_in_core_memory():
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_nnx.py"), "--steps", "150"], capture_output=True, text=True, check=False
-    )
+def run_example(script: str, *options: str, out: Path) -> dict:
+    command = [sys.executable, str(EXAMPLES / script), *options, "--json", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "offloads" in result.stdout and "loss" in result.stdout
+    return json.loads(out.read_text())
+
+
+def assert_trained_under_half_the_in_core_estimate(figures: dict) -> None:
+    in_core, budget = figures["in_core_estimate_bytes"], figures["budget_bytes"]
+    assert budget <= in_core // 2
+    # The budget forces offloading, and the segments fit it: planned, and as the compiled programs measure.
+    assert figures["offloads"] > 0
+    assert 0 < figures["planned_peak_bytes"] <= budget
+    assert 0 < figures["executed_peak_bytes"] <= budget
+    losses = figures["losses"]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_the_check_fails_when_the_budget_forces_no_offloads_or_is_exceeded():
+    figures = dict(
+        in_core_estimate_bytes=1000,
+        budget_bytes=500,
+        planned_peak_bytes=480,
+        executed_peak_bytes=490,
+        offloads=3,
+        losses=[2.0, 1.5, 0.9],
+    )
+    assert_trained_under_half_the_in_core_estimate(figures)
+    for broken in (
+        dict(offloads=0),
+        dict(budget_bytes=1000, planned_peak_bytes=900, executed_peak_bytes=900),
+        dict(executed_peak_bytes=510),
+        dict(losses=[2.0, 1.5, 1.1]),
+    ):
+        with pytest.raises(AssertionError):
+            assert_trained_under_half_the_in_core_estimate(figures | broken)
+
+
+@pytest.mark.slow
+def test_the_flax_example_trains_under_half_its_in_core_memory(tmp_path):
+    figures = run_example("train_flax.py", "--steps", "150", out=tmp_path / "flax.json")
+    assert len(figures["losses"]) == 150
+    assert_trained_under_half_the_in_core_estimate(figures)
+
+
+@pytest.mark.slow
+def test_the_nnx_example_trains_under_half_its_in_core_memory(tmp_path):
+    figures = run_example("train_nnx.py", "--steps", "150", out=tmp_path / "nnx.json")
+    assert len(figures["losses"]) == 150
+    assert_trained_under_half_the_in_core_estimate(figures)
