@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings as warnings_module
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -167,6 +168,7 @@ def run_step(config: dict) -> dict:
                 segments=None if segments is None else len(segments),
                 compiled_peak_bytes=getattr(plan, "compiled_peak_bytes", None),
                 moved_bytes=getattr(plan, "moved_bytes", None),
+                headroom_bytes=getattr(plan, "headroom_bytes", None),
                 plan=repr(plan),
                 plan_s=time.perf_counter() - started,
             )
@@ -199,6 +201,9 @@ def run_step(config: dict) -> dict:
                 )
             }
         phase = "steps"
+        caught = warnings_module.catch_warnings(record=True)
+        replan_warnings = caught.__enter__()
+        warnings_module.simplefilter("always")
         losses, times = [], []
         for i in range(config["loss_steps"]):  # the first one compiles (ooc_jit) or warms up
             started = time.perf_counter()
@@ -216,7 +221,17 @@ def run_step(config: dict) -> dict:
         record |= dict(step_s=times, s_per_step=statistics.median(times), final_loss=float(loss))
         record["finite"] = all(math.isfinite(x) for x in [*losses, record["final_loss"]])
         record["runtime_peak_bytes"] = _memory_stat(device, "peak_bytes_in_use")  # the synced step's is apart
+        caught.__exit__(None, None, None)
+        record["warnings"] = [str(w.message)[:400] for w in replan_warnings][:5]
         if strategy == "ooc_jit":
+            final = step.plan(state, batch)  # a call measured over the budget plans again: the plan in use now
+            record["final_plan"] = dict(
+                plan=repr(final),
+                headroom_bytes=final.headroom_bytes,
+                executed_peak_bytes=final.executed_peak_bytes,
+                segments=len(final.segments),
+                moved_bytes=final.moved_bytes,
+            )
             phase = "synced step"
             with _synced(device, record, "synced_last_step"):
                 state, loss = step(state, batch)

@@ -12,7 +12,9 @@ second call with the same shapes neither traces nor plans again):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +29,8 @@ from oocjax.schedule import format_bytes
 from oocjax.transforms.execute import segment_specs
 from oocjax.transforms.memories import memory_kind, sharding
 from oocjax.transforms.trace import TracedStep, trace_arguments
+
+MAX_RUNTIME_REPLANS = 3  # plans made again after calls measured over the budget on the device
 
 
 def ooc_jit(
@@ -54,7 +58,9 @@ def ooc_jit(
         state: its device memory is then reused during the step, and state kept in host memory
         comes back there, ready for the next step.
       **planner_options: ``window_bytes`` (look-ahead in bytes, default 1.5x the budget),
-        ``min_offload_bytes`` (smaller values never move, default 1 MiB), both as ints or with
+        ``min_offload_bytes`` (smaller values never move, default 1 MiB), ``headroom_bytes`` (left
+        free within the budget for the device allocator's own overhead: 8% of the budget on GPUs
+        at first, grown when a call measures over the budget; 0 on CPUs), as ints or with
         units; ``min_segment_flops`` (smaller segments are merged where memory allows; default
         about a millisecond of work on the device) and ``min_segments`` (cut into at least this
         many segments even when nothing moves; for measuring the executor's overhead).
@@ -68,10 +74,9 @@ def ooc_jit(
     8.0
     """
     device = jax.devices()[0]
-    settings = dict(
-        budget_bytes=resolve_budget(budget, device),
-        options=PlannerOptions.read(planner_options, device.platform),
-    )
+    budget_bytes = resolve_budget(budget, device)
+    options = PlannerOptions.read(planner_options, device.platform, budget_bytes)
+    settings = dict(budget_bytes=budget_bytes, options=options)
     statics = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums)
     if fun is None:
         return lambda fun: OocJitted(ArgumentSpec.of(fun, **statics), **settings)
@@ -89,11 +94,12 @@ class OocJitted:
         self.budget_bytes = budget_bytes
         self.options = options
         self._cache: dict[Any, tuple[TracedStep, BuiltStep]] = {}
+        self._runtime_replans: dict[Any, int] = {}
         self._jitted = jax.jit(self.fun, **arguments.jit_kwargs)
         functools.update_wrapper(self, self.fun, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        traced, built = self._entry(args, kwargs)
+        key, traced, built = self._entry(args, kwargs)
         if built.executor is None:
             if any(memory_kind(x) == "pinned_host" for x in self.arguments.dynamic_leaves(args, kwargs)):
                 # jax.jit refuses arithmetic on host memory: host-kept state goes to the device first.
@@ -106,12 +112,14 @@ class OocJitted:
         del leaves
         # The executor takes the list over and empties it, and deletes the copies made here at
         # their last use: nothing else may hold their device memory.
-        return jax.tree.unflatten(traced.out_tree, built.executor(moved, copies))
+        results = built.executor(moved, copies)
+        self._learn(key, traced, built)
+        return jax.tree.unflatten(traced.out_tree, results)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``s), without running the step.
         Its segments are compiled (once per signature, as a call would): their memory is measured."""
-        return self._entry(args, kwargs)[1].plan
+        return self._entry(args, kwargs)[2].plan
 
     def lower(
         self, *args: Any, lowering_platforms: Sequence[str] | None = None, **kwargs: Any
@@ -119,7 +127,7 @@ class OocJitted:
         """Lowers the step, e.g. ``lowering_platforms=("cuda",)`` to read the GPU program on a
         CPU-only machine: ``jax.jit``'s one program when nothing moves, else one lowered program
         per segment, in execution order (transfers run between them)."""
-        built = self._entry(args, kwargs)[1]
+        built = self._entry(args, kwargs)[2]
         if built.executor is None:
             specs = self.arguments.device_specs(args, kwargs)
             return self._jitted.trace(*specs[0], **specs[1]).lower(lowering_platforms=lowering_platforms)
@@ -128,12 +136,43 @@ class OocJitted:
             for function, specs in zip(built.segment_functions, segment_specs(built.plan.jaxpr))
         )
 
-    def _entry(self, args: tuple, kwargs: dict) -> tuple[TracedStep, BuiltStep]:
+    def _learn(self, key: Any, traced: TracedStep, built: BuiltStep) -> None:
+        """After a call the device measured over the budget (its allocator's overhead, which no
+        estimate sees), plans again with that much more headroom, up to ``MAX_RUNTIME_REPLANS``
+        times; warns either way, since that call did go over."""
+        measured = built.executor.measured_peak_bytes
+        if measured is None or measured <= self.budget_bytes:
+            return
+        over = measured - self.budget_bytes
+        message = (
+            f"oocjax: a call of {_name(self.fun)} measured {format_bytes(measured)} on the device, "
+            f"{format_bytes(over)} over its budget of {format_bytes(self.budget_bytes)}"
+        )
+        replans = self._runtime_replans.get(key, 0)
+        if replans >= MAX_RUNTIME_REPLANS:
+            warnings.warn(f"{message}; planned again {replans} times already: raise headroom_bytes", stacklevel=3)
+            return
+        headroom = min(built.plan.headroom_bytes + over + over // 4, self.budget_bytes - 1)
+        self._runtime_replans[key] = replans + 1
+        try:
+            rebuilt = build(traced, self.budget_bytes, dataclasses.replace(self.options, headroom_bytes=headroom))
+        except OocError as error:  # the call itself succeeded: keep what ran, and say why it stays over
+            warnings.warn(f"{message}; a plan with {format_bytes(headroom)} of headroom fails: {error}", stacklevel=3)
+            return
+        warnings.warn(f"{message}; planned again with {format_bytes(headroom)} of headroom", stacklevel=3)
+        self._cache[key] = traced, rebuilt
+
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[Any, TracedStep, BuiltStep]:
+        """The signature's key, its trace and what it runs (built on first use)."""
         key = self.arguments.signature(args, kwargs)
         if key not in self._cache:
             traced = trace_arguments(self.arguments, args, kwargs)
             self._cache[key] = traced, build(traced, self.budget_bytes, self.options)
-        return self._cache[key]
+        return key, *self._cache[key]
+
+
+def _name(fun: Callable) -> str:
+    return getattr(fun, "__qualname__", None) or repr(fun)
 
 
 def _delete_donated_originals(leaves: Sequence[Any], copies: Sequence[bool], donated: Sequence[bool]) -> None:

@@ -67,6 +67,9 @@ class Plan:
         given in the other one is moved first.
       attempts: the executed peak measured for each plan made, in order: more than one where a
         chain measured over the budget was planned again with its segments' real scratch.
+      headroom_bytes: device memory the plan leaves free within the budget for what the allocator
+        takes beyond the arrays and programs it accounts for (on a GPU: a default share of the
+        budget at first, more after a call measured over the budget).
       device: the device the step was planned and compiled for (``"cpu"``, ``"NVIDIA H200"``);
         empty for a plan built by hand.
     """
@@ -89,6 +92,7 @@ class Plan:
     executed_peak_bytes: int | None = None
     attempts: tuple[int, ...] = ()
     input_kinds: tuple[str, ...] = ()
+    headroom_bytes: int = 0
     device: str = ""
 
     @classmethod
@@ -105,6 +109,7 @@ class Plan:
         executed_peak_bytes: int | None = None,
         attempts: tuple[int, ...] = (),
         input_kinds: tuple[str, ...] = (),
+        headroom_bytes: int = 0,
         device: str = "",
     ) -> Plan:
         timeline = simulate(program, schedule)
@@ -136,6 +141,7 @@ class Plan:
             executed_peak_bytes=executed_peak_bytes,
             attempts=attempts,
             input_kinds=input_kinds,
+            headroom_bytes=headroom_bytes,
             device=device,
             peak_bytes=timeline.peak_bytes,
             baseline_peak_bytes=baseline.peak_bytes,

@@ -136,6 +136,14 @@ def allocator_reader(device: jax.Device) -> Callable[[], int | None] | None:
     return lambda: (device.memory_stats() or {}).get("bytes_in_use")
 
 
+def peak_reader(device: jax.Device) -> Callable[[], int | None] | None:
+    """A function reading the most bytes ``device``'s allocator has had in use in this process
+    (fragmentation included); None where the device reports none."""
+    if "peak_bytes_in_use" not in (device.memory_stats() or {}):
+        return None
+    return lambda: (device.memory_stats() or {}).get("peak_bytes_in_use")
+
+
 class _DeviceMemory:
     """What the executor holds on the device and what it has let go of but may still be in use.
 
@@ -268,7 +276,15 @@ def _wait(probe: Any) -> None:
 
 
 class ChainExecutor:
-    """Runs a chain jaxpr (``transforms.segment``) on the step's flat arguments."""
+    """Runs a chain jaxpr (``transforms.segment``) on the step's flat arguments.
+
+    Where the device reports its allocator's statistics, each call also measures its own peak,
+    ``measured_peak_bytes``: the allocator's count at each launch plus what the launch allocates,
+    and the process's peak if the call raised it, less the memory that was not the executor's when
+    the call started. That includes what no account sees (the allocator's fragmentation), so the
+    caller can plan again when it is over the budget."""
+
+    measured_peak_bytes: int | None = None  # of the last call; None where the device reports nothing
 
     def __init__(self, chain: jc.ClosedJaxpr, programs: Sequence[Any], costs: Sequence[SegmentCost], budget_bytes: int):
         self.chain, self.programs, self.costs, self.budget_bytes = chain, list(programs), list(costs), budget_bytes
@@ -282,7 +298,9 @@ class ChainExecutor:
             if isinstance(v, jc.Var):
                 self.last_use[v] = len(jaxpr.eqns)  # returned: never dropped
         self.host, self.device = sharding("pinned_host"), sharding("device")
-        self.memory = _DeviceMemory(budget_bytes, allocator_reader(next(iter(self.device.device_set))))
+        device = next(iter(self.device.device_set))
+        self.memory = _DeviceMemory(budget_bytes, allocator_reader(device))
+        self.peak_in_use = peak_reader(device)
 
     def __call__(self, arguments: list[Any], owned: Sequence[bool] = ()) -> list[Any]:
         """Runs the chain on the flat arguments, taking the list over: it is emptied, so that no
@@ -290,6 +308,8 @@ class ChainExecutor:
         this call (moved to the memory the plan wants them in): deleted at their last use."""
         jaxpr, memory = self.chain.jaxpr, self.memory
         memory.start_call()
+        peak_before = self.peak_in_use() if self.peak_in_use is not None else None
+        self._launch_peak: int | None = None
         env: dict[Any, Any] = {}
 
         def write(v: Any, x: Any, owned: bool = True) -> None:
@@ -326,7 +346,18 @@ class ChainExecutor:
             dying = [env.pop(v) for v in dict.fromkeys(eqn.invars) if isinstance(v, jc.Var) and self.last_use[v] == i]
             memory.release(dying, probe=_probe(outvals), extra_bytes=extra)
             del invals, outvals, dying  # no reference may outlive its last use
+        self._measure(peak_before)
         return [v.val if isinstance(v, jc.Literal) else env[v] for v in jaxpr.outvars]
+
+    def _measure(self, peak_before: int | None) -> None:
+        """Sets ``measured_peak_bytes`` for the call just made. Allocations happen when work is
+        enqueued, so the process's peak is final once the last launch is enqueued."""
+        peak_after = self.peak_in_use() if self.peak_in_use is not None else None
+        raised = (
+            peak_after - self.memory.foreign_bytes if peak_before is not None and peak_after > peak_before else None
+        )
+        samples = [x for x in (self._launch_peak, raised) if x is not None]
+        self.measured_peak_bytes = max(samples) if samples else None
 
     def _launch(self, segment: int, eqn: Any, invals: list[Any]) -> tuple[list[Any], int]:
         """Launches a segment once there is room for it: its results, and the scratch it lets go of."""
@@ -343,6 +374,9 @@ class ChainExecutor:
                     foreign_bytes=memory.foreign_bytes,
                 )
             )
+        if memory.allocator_bytes is not None:
+            at_launch = memory.allocator_bytes - memory.foreign_bytes + cost.launch_bytes
+            self._launch_peak = max(self._launch_peak or 0, at_launch)
         outvals = self.programs[segment](*invals)
         probe = _probe(outvals)
         donated = [x for x, d in zip(invals, eqn.params["donated_invars"]) if d]
