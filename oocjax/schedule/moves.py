@@ -13,7 +13,15 @@ Dropping a device copy is never a move: a device copy is released after its last
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import pairwise
+from operator import attrgetter
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from oocjax.schedule.program import Program, Stay
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -31,11 +39,18 @@ class Prefetch:
 
 
 Move = Offload | Prefetch
+_M = TypeVar("_M", Offload, Prefetch, Move)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+# Not slotted: the move index below is cached on the instance (in its __dict__).
+@dataclass(frozen=True, kw_only=True)
 class Schedule:
     """A complete plan for one program.
+
+    The index properties (``offload_by_buffer``, ``prefetches_by_buffer``, ``prefetches_by_issue_step``,
+    ``offloads_by_after_step``, ``waits_by_step``) group the moves once, on first use, and are shared
+    by every caller: read them, do not change them. Within a group, moves keep the order of
+    ``moves`` (prefetches of one buffer: issue order).
 
     Attributes:
       strategy: which planner made it ("window", "keep_all", ...).
@@ -51,17 +66,74 @@ class Schedule:
     host_outputs: frozenset[int] = frozenset()
     moves: tuple[Move, ...] = ()
 
-    @property
+    @cached_property
     def offloads(self) -> tuple[Offload, ...]:
         return tuple(m for m in self.moves if isinstance(m, Offload))
 
-    @property
+    @cached_property
     def prefetches(self) -> tuple[Prefetch, ...]:
         return tuple(m for m in self.moves if isinstance(m, Prefetch))
+
+    @cached_property
+    def offload_by_buffer(self) -> dict[int, Offload]:
+        """The offload of each offloaded buffer (a value is copied out once; where an invalid
+        schedule has more, the first)."""
+        return {b: offloads[0] for b, offloads in _grouped(self.offloads, _BUFFER).items()}
+
+    @cached_property
+    def prefetches_by_buffer(self) -> dict[int, tuple[Prefetch, ...]]:
+        """The prefetches of each prefetched buffer, in issue order (buffers in the order of their
+        first prefetch in ``moves``)."""
+        grouped = _grouped(self.prefetches, _BUFFER)
+        # Most buffers are fetched once or twice: sort only where the order is not already right.
+        return {
+            b: fetches if _in_issue_order(fetches) else tuple(sorted(fetches, key=_ISSUE_STEP))
+            for b, fetches in grouped.items()
+        }
+
+    @cached_property
+    def prefetches_by_issue_step(self) -> dict[int, tuple[Prefetch, ...]]:
+        return _grouped(self.prefetches, _ISSUE_STEP)
+
+    @cached_property
+    def offloads_by_after_step(self) -> dict[int, tuple[Offload, ...]]:
+        return _grouped(self.offloads, attrgetter("after_step"))
+
+    @cached_property
+    def waits_by_step(self) -> dict[int, tuple[Move, ...]]:
+        """Per step, the copies that must complete before it runs: the prefetches whose first use
+        it is and the offloads done before it (an offload done at the end waits for no step)."""
+        awaited = [m for m in self.moves if not (isinstance(m, Offload) and m.done_before_step is None)]
+        return _grouped(awaited, lambda m: m.use_step if isinstance(m, Prefetch) else m.done_before_step)
+
+    def device_stays(self, program: Program, b: int) -> list[Stay]:
+        """Every stay of buffer ``b`` on the device under this schedule (``Program.device_stays``)."""
+        fetches = self.prefetches_by_buffer.get(b, ())
+        return program.device_stays(
+            b,
+            on_host=b in self.host_inputs,
+            prefetch_steps=[p.issue_step for p in fetches],
+            offload=self.offload_by_buffer.get(b),
+            returned_on_device=program.buffers[b].is_output and b not in self.host_outputs,
+        )
 
     @property
     def moves_nothing(self) -> bool:
         return not (self.moves or self.host_inputs or self.host_outputs)
+
+
+_BUFFER, _ISSUE_STEP = attrgetter("buffer"), attrgetter("issue_step")
+
+
+def _in_issue_order(prefetches: tuple[Prefetch, ...]) -> bool:
+    return all(a.issue_step <= b.issue_step for a, b in pairwise(prefetches))
+
+
+def _grouped(moves: Iterable[_M], key: Callable[[_M], int]) -> dict[int, tuple[_M, ...]]:
+    groups: dict[int, list[_M]] = {}
+    for move in moves:
+        groups.setdefault(key(move), []).append(move)
+    return {k: tuple(group) for k, group in groups.items()}
 
 
 def move_order(move: Move) -> tuple[int, int]:

@@ -14,10 +14,14 @@ Buffer kinds:
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
+
+if TYPE_CHECKING:
+    from oocjax.schedule.moves import Offload
 
 BufferKind = Literal["input", "constant", "computed"]
 
@@ -43,6 +47,11 @@ class Buffer:
     donated: bool = False
     aliased_input: int | None = None
     label: str = ""
+
+    def never_moves(self, min_offload_bytes: int) -> bool:
+        """Whether no plan moves it: constants are baked into the program, and a value under
+        ``min_offload_bytes`` costs more to copy than the memory it would free."""
+        return self.kind == "constant" or self.nbytes < min_offload_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,6 +121,64 @@ class Program:
         """Where each buffer is defined and read (computed once)."""
         return Uses.of(self)
 
+    @cached_property
+    def unmoved_spans(self) -> tuple[tuple[int, int], ...]:
+        """Per buffer, the first and last step its device copy occupies when no move touches it:
+        from its definition (step 0 for an argument or constant) to its last read, or to the last
+        step for an output or a buffer ``held_for_whole_step``. This is the one stay
+        ``device_stays`` gives such a buffer, clamped to the steps; it is written out (and computed
+        once) because the simulation and ``required_bytes`` ask it of every buffer."""
+        last_step = len(self.steps) - 1
+        spans = []
+        for buffer, defined_at, reads in zip(self.buffers, self.uses.defined_at, self.uses.read_at):
+            start = defined_at or 0
+            if buffer.is_output or held_for_whole_step(buffer, reads):
+                spans.append((start, last_step))
+            else:
+                spans.append((start, max(start, reads[-1]) if reads else start))
+        return tuple(spans)
+
+    def device_stays(
+        self,
+        b: int,
+        *,
+        on_host: bool,
+        prefetch_steps: Sequence[int],
+        offload: Offload | None,
+        returned_on_device: bool,
+    ) -> list[Stay]:
+        """Every stay of buffer ``b`` on the device, in start order: the liveness rule.
+
+        A stay starts where the buffer is defined, before the first step for an argument or a
+        constant not placed on host (``on_host``), or at each prefetch's issue step. It lasts to
+        the last read it serves (reads before the next stay starts), to its offload's completion if
+        it carries the offload (its ``done_before_step``; None: the end), and to the end of the
+        step if it is an argument ``held_for_whole_step`` or the last stay of an output returned on
+        the device.
+        """
+        n, uses = len(self.steps), self.uses
+        buffer, reads = self.buffers[b], uses.read_at[b]
+        if buffer.kind == "computed":
+            starts = [uses.defined_at[b]]
+        else:
+            starts = [] if on_host else [BEFORE_FIRST_STEP]
+        first_prefetched = len(starts)
+        starts += prefetch_steps
+        stays = []
+        for j, start in enumerate(starts):
+            following = starts[j + 1] if j + 1 < len(starts) else n
+            served = reads[bisect_left(reads, start) : bisect_left(reads, following)]  # reads ascend
+            end = served[-1] if served else start
+            offloaded = offload is not None and start <= offload.after_step < following
+            if offloaded:
+                done = offload.done_before_step
+                end = max(end, n if done is None else done - 1)
+            held = start == BEFORE_FIRST_STEP and held_for_whole_step(buffer, reads)
+            if held or (j == len(starts) - 1 and returned_on_device):
+                end = n
+            stays.append(Stay(b, start, end, served, j >= first_prefetched, offloaded))
+        return stays
+
     def _check_id(self, b: int, index: int) -> None:
         if not 0 <= b < len(self.buffers):
             raise ValueError(f"step {index} names buffer {b}, but there are {len(self.buffers)} buffers")
@@ -161,6 +228,42 @@ class Program:
             for i, (name, reads, writes) in enumerate(ops)
         )
         return cls(steps=steps, buffers=buffers)
+
+
+BEFORE_FIRST_STEP = -1  # the start of a stay already on the device when the step begins
+
+
+# A NamedTuple, not a frozen dataclass: a simulation of a large step makes hundreds of thousands,
+# and a frozen dataclass takes three times as long to create.
+class Stay(NamedTuple):
+    """One stay of a buffer's device copy (``Program.device_stays``): it occupies the device from
+    step ``start`` (``BEFORE_FIRST_STEP`` for an argument there from the beginning) to step ``end``
+    (the number of steps for a copy held past the last step: returned, or copied out at the end).
+
+    Attributes:
+      buffer: the buffer.
+      start, end: the steps it occupies.
+      served: the reads it serves, ascending.
+      prefetched: whether a prefetch brought it in.
+      offloaded: whether it carries the buffer's offload (ends no earlier than the copy completes).
+    """
+
+    buffer: int
+    start: int
+    end: int
+    served: tuple[int, ...]
+    prefetched: bool
+    offloaded: bool = False
+
+    @property
+    def first_use(self) -> int:
+        """The first step that reads this copy (-1: none)."""
+        return self.served[0] if self.served else -1
+
+    def needed_after(self, stop: int) -> bool:
+        """Whether a program that runs the steps before ``stop`` must hand this copy on: it lasts to
+        ``stop`` or later, or its offload is issued after that program."""
+        return self.end >= stop or self.offloaded
 
 
 def held_for_whole_step(buffer: Buffer, reads: tuple[int, ...]) -> bool:
