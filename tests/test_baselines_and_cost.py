@@ -15,7 +15,7 @@ from oocjax.schedule import (
     swap_all_just_in_time,
     validate,
 )
-from oocjax.schedule.cost import PROFILES, DeviceProfile, simulate_time
+from oocjax.schedule.cost import DEFAULT_PROFILE, PROFILES, DeviceProfile, resolve_profile, simulate_time
 from tests.programs import mlp_chain, programs
 
 
@@ -100,3 +100,37 @@ def test_the_timed_simulation_overlaps_copies_with_compute_as_worked_out_by_hand
 def test_an_unknown_profile_name_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown device profile 'tpu'; known: h100-pcie"):
         simulate_time(mlp_chain(), keep_all(mlp_chain()), "tpu")
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("h100-sxm", "h100-sxm"),  # the exact name
+        ("H100 SXM", "h100-sxm"),  # case, spaces and underscores do not matter
+        ("gh", "gh200"),  # the one profile whose name starts so
+        ("h100", "h100-pcie"),  # a family: its first profile, the slower H100
+    ],
+)
+def test_a_profile_name_means_the_profile_it_clearly_names(name, meant):
+    assert resolve_profile(name) is PROFILES[meant]
+    assert simulate_time(mlp_chain(), keep_all(mlp_chain()), name) == simulate_time(
+        mlp_chain(), keep_all(mlp_chain()), PROFILES[meant]
+    )
+
+
+def test_a_profile_value_is_used_as_it_is_and_the_default_is_one_of_the_known_profiles():
+    custom = DeviceProfile(
+        name="h100-pcie", flops_per_s=1.0, hbm_bytes_per_s=1.0, h2d_bytes_per_s=1.0, d2h_bytes_per_s=1.0
+    )
+    assert resolve_profile(custom) is custom
+    assert PROFILES[DEFAULT_PROFILE.name] is DEFAULT_PROFILE
+
+
+def test_a_profile_name_that_could_mean_several_profiles_lists_them():
+    with pytest.raises(ValueError, match="ambiguous device profile 'h1': it could be h100-pcie or h100-sxm; known: "):
+        resolve_profile("h1")
+
+
+def test_an_unknown_profile_name_suggests_the_closest_known_one():
+    with pytest.raises(ValueError, match=r"unknown device profile 'h300'; known: .*gh200, cpu; did you mean 'h200'\?"):
+        resolve_profile("h300")

@@ -4,21 +4,28 @@ Nothing here imports jax or numpy, so plans are cheap to compute and to test.
 """
 
 from oocjax.schedule.baselines import fixed_lookahead, keep_all, swap_all_just_in_time
+from oocjax.schedule.cost import DEFAULT_PROFILE, PROFILES, DeviceProfile, TimedResult, resolve_profile, simulate_time
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
-from oocjax.schedule.program import Buffer, Program, Step, Uses
+from oocjax.schedule.program import Buffer, Program, Stay, Step, Uses
 from oocjax.schedule.simulate import MemoryTimeline, Violation, simulate, validate
-from oocjax.schedule.units import format_bytes, parse_bytes
+from oocjax.schedule.units import MiB, format_bytes, parse_bytes
 from oocjax.schedule.window import check_feasible, plan_window, required_bytes
 
 __all__ = [
+    "DEFAULT_PROFILE",
+    "PROFILES",
     "Buffer",
+    "DeviceProfile",
     "MemoryTimeline",
+    "MiB",
     "Move",
     "Offload",
     "Prefetch",
     "Program",
     "Schedule",
+    "Stay",
     "Step",
+    "TimedResult",
     "Uses",
     "Violation",
     "check_feasible",
@@ -28,7 +35,9 @@ __all__ = [
     "parse_bytes",
     "plan_window",
     "required_bytes",
+    "resolve_profile",
     "simulate",
+    "simulate_time",
     "swap_all_just_in_time",
     "validate",
 ]

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule, move_order
 from oocjax.schedule.program import Program
-
-MiB = 2**20
+from oocjax.schedule.units import MiB
 
 
 def keep_all(program: Program, *, budget_bytes: int | None = None, strategy: str = "keep_all") -> Schedule:
@@ -32,7 +31,7 @@ def fixed_lookahead(program: Program, lookahead_steps: int = 4, *, min_offload_b
     host_inputs = set()
     long_gap = lookahead_steps + 1
     for b, buffer in enumerate(program.buffers):
-        if buffer.kind == "constant" or buffer.nbytes < min_offload_bytes:
+        if buffer.never_moves(min_offload_bytes):
             continue
         if buffer.kind == "input":
             host_inputs.add(b)

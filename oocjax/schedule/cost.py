@@ -13,9 +13,10 @@ The step ends when compute and every copy are done. The lower bound is
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
-from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
+from oocjax.schedule.moves import Move, Schedule
 from oocjax.schedule.program import Program, Step
 
 
@@ -48,41 +49,30 @@ class DeviceProfile:
 
 _DATASHEET = "NVIDIA datasheet dense BF16 at 50% utilisation; link figures from ALGORITHM.md section 4"
 
+_PCIE_LINK = (35e9, 50e9)  # host-to-device, device-to-host bytes/s
+
+
+def _nvidia(
+    name: str, flops_per_s: float, hbm_bytes_per_s: float, *, link: tuple[float, float] = _PCIE_LINK, note: str = ""
+) -> DeviceProfile:
+    h2d, d2h = link
+    return DeviceProfile(
+        name=name,
+        flops_per_s=flops_per_s,
+        hbm_bytes_per_s=hbm_bytes_per_s,
+        h2d_bytes_per_s=h2d,
+        d2h_bytes_per_s=d2h,
+        source=_DATASHEET + note,
+    )
+
+
 PROFILES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
-        DeviceProfile(
-            name="h100-pcie",
-            flops_per_s=378e12,
-            hbm_bytes_per_s=2.0e12,
-            h2d_bytes_per_s=35e9,
-            d2h_bytes_per_s=50e9,
-            source=_DATASHEET,
-        ),
-        DeviceProfile(
-            name="h100-sxm",
-            flops_per_s=495e12,
-            hbm_bytes_per_s=3.35e12,
-            h2d_bytes_per_s=35e9,
-            d2h_bytes_per_s=50e9,
-            source=_DATASHEET,
-        ),
-        DeviceProfile(
-            name="h200",
-            flops_per_s=495e12,
-            hbm_bytes_per_s=4.8e12,
-            h2d_bytes_per_s=35e9,
-            d2h_bytes_per_s=50e9,
-            source=_DATASHEET,
-        ),
-        DeviceProfile(
-            name="gh200",
-            flops_per_s=495e12,
-            hbm_bytes_per_s=4.0e12,
-            h2d_bytes_per_s=410e9,
-            d2h_bytes_per_s=170e9,
-            source=_DATASHEET + " (NVLink-C2C, D2H at the low end of 170-300 GB/s)",
-        ),
+        _nvidia("h100-pcie", 378e12, 2.0e12),
+        _nvidia("h100-sxm", 495e12, 3.35e12),
+        _nvidia("h200", 495e12, 4.8e12),
+        _nvidia("gh200", 495e12, 4.0e12, link=(410e9, 170e9), note=" (NVLink-C2C, D2H at the low end of 170-300 GB/s)"),
         # A rough figure for a 2-core x86 CI machine: XLA's CPU matmuls and memcpy between "memories".
         DeviceProfile(
             name="cpu",
@@ -96,6 +86,40 @@ PROFILES: dict[str, DeviceProfile] = {
         ),
     )
 }
+
+DEFAULT_PROFILE: DeviceProfile = PROFILES["h100-pcie"]
+"""The profile views use when none is named: the slower H100, so estimated step times err long."""
+
+
+def resolve_profile(profile: DeviceProfile | str) -> DeviceProfile:
+    """The device profile a value or a name means.
+
+    A name is read without regard to case, with spaces and underscores as dashes. It means the
+    profile of that name; else the one profile whose name starts with it (``"gh"``: ``gh200``);
+    else, for a family name (the part before a dash) the family's first profile in ``PROFILES``
+    (``"h100"``: ``h100-pcie``, the slower H100, so an estimate errs long). Anything else raises.
+
+    Raises:
+      ValueError: for a name that means no profile or several, listing the known names.
+
+    >>> resolve_profile("H100").name, resolve_profile("gh").name, resolve_profile("h100 sxm").name
+    ('h100-pcie', 'gh200', 'h100-sxm')
+    """
+    if isinstance(profile, DeviceProfile):
+        return profile
+    wanted = profile.strip().lower().replace("_", "-").replace(" ", "-")
+    if wanted in PROFILES:
+        return PROFILES[wanted]
+    starting = [name for name in PROFILES if wanted and name.startswith(wanted)]
+    family = [name for name in starting if name.split("-")[0] == wanted]
+    if len(starting) == 1 or family:
+        return PROFILES[(family or starting)[0]]
+    known = ", ".join(PROFILES)
+    if starting:
+        raise ValueError(f"ambiguous device profile {profile!r}: it could be {' or '.join(starting)}; known: {known}")
+    close = difflib.get_close_matches(wanted, PROFILES, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"unknown device profile {profile!r}; known: {known}{hint}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,24 +147,11 @@ class TimedResult:
 
 
 def simulate_time(program: Program, schedule: Schedule, profile: DeviceProfile | str) -> TimedResult:
-    """Runs the schedule on three streams with a device profile (a name from ``PROFILES`` or a value)."""
-    if isinstance(profile, str):
-        if profile not in PROFILES:
-            raise ValueError(f"unknown device profile {profile!r}; known: {', '.join(PROFILES)}")
-        profile = PROFILES[profile]
-    n = len(program.steps)
-    issued_at: list[list[Prefetch]] = [[] for _ in range(n)]
-    offloaded_after: list[list[Offload]] = [[] for _ in range(n)]
-    for move in schedule.moves:
-        if isinstance(move, Prefetch):
-            issued_at[move.issue_step].append(move)
-        else:
-            offloaded_after[move.after_step].append(move)
-    waits_for: list[list[Move]] = [[] for _ in range(n)]  # per step: the copies it waits for
-    for move in schedule.moves:
-        target = move.use_step if isinstance(move, Prefetch) else move.done_before_step
-        if target is not None:
-            waits_for[target].append(move)
+    """Runs the schedule on three streams with a device profile (a value, or a name that
+    ``resolve_profile`` reads)."""
+    profile = resolve_profile(profile)
+    issued_at, offloaded_after = schedule.prefetches_by_issue_step, schedule.offloads_by_after_step
+    waits_for = schedule.waits_by_step
     done: dict[Move, float] = {}  # completion time of each copy
     host_ready: dict[int, float] = {}  # buffer -> when its host copy is complete
     compute_spans, h2d_spans, d2h_spans = [], [], []
@@ -148,15 +159,15 @@ def simulate_time(program: Program, schedule: Schedule, profile: DeviceProfile |
     nbytes = [b.nbytes for b in program.buffers]
 
     for k, step in enumerate(program.steps):
-        for p in issued_at[k]:
+        for p in issued_at.get(k, ()):
             start = max(compute_free, h2d_free, host_ready.get(p.buffer, 0.0))
             h2d_free = start + profile.copy_latency_s + nbytes[p.buffer] / profile.h2d_bytes_per_s
             done[p] = h2d_free
             h2d_spans.append((start, h2d_free))
-        start = max([compute_free, *(done[m] for m in waits_for[k])])
+        start = max([compute_free, *(done[m] for m in waits_for.get(k, ()))])
         compute_free = start + profile.compute_seconds(step)
         compute_spans.append((start, compute_free))
-        for o in offloaded_after[k]:
+        for o in offloaded_after.get(k, ()):
             begin = max(compute_free, d2h_free)
             d2h_free = begin + profile.copy_latency_s + nbytes[o.buffer] / profile.d2h_bytes_per_s
             done[o] = host_ready[o.buffer] = d2h_free

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+MiB = 2**20  # the unit sizes and thresholds are written in (min_offload_bytes defaults to 1 MiB)
+
 _UNITS = {
     "b": 1,
     "kb": 10**3,
