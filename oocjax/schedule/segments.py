@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
-from oocjax.schedule.moves import Offload, Prefetch, Schedule
-from oocjax.schedule.program import Program, held_for_whole_step
+from oocjax.schedule.moves import Offload, Schedule
+from oocjax.schedule.program import Program, Stay
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,58 +79,7 @@ class SegmentCost:
         return self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
-@dataclass(frozen=True, slots=True)
-class _Residency:
-    """One stay of a buffer on the device: from step ``start`` (-1: before the first step) to step
-    ``end`` (``n``: past the last step, i.e. returned or copied out after the end). An ``offloaded``
-    stay ends with a copy to host, issued after the segment that holds its offload step."""
-
-    buffer: int
-    start: int
-    end: int
-    prefetched: bool
-    offloaded: bool = False
-    first_use: int = -1  # the first step that reads this stay (-1: none)
-
-    def needed_after(self, stop: int) -> bool:
-        """Whether a segment ending before step ``stop`` must hand this stay on (as a result)."""
-        return self.end >= stop or self.offloaded
-
-
-def residencies(program: Program, schedule: Schedule) -> list[_Residency]:
-    """Every stay of every buffer on the device under ``schedule``, as the executor holds them."""
-    n = len(program.steps)
-    uses = program.uses
-    offload_of: dict[int, Offload] = {}
-    prefetches_of: dict[int, list[Prefetch]] = defaultdict(list)
-    for move in schedule.moves:
-        if isinstance(move, Offload):
-            offload_of[move.buffer] = move
-        else:
-            prefetches_of[move.buffer].append(move)
-    stays = []
-    for b, buffer in enumerate(program.buffers):
-        reads = uses.read_at[b]
-        starts = [] if b in schedule.host_inputs else [-1 if buffer.kind != "computed" else uses.defined_at[b]]
-        prefetched_from = len(starts)
-        starts += sorted(p.issue_step for p in prefetches_of.get(b, ()))
-        on_device_at_end = buffer.is_output and b not in schedule.host_outputs
-        for j, start in enumerate(starts):
-            following = starts[j + 1] if j + 1 < len(starts) else n
-            served = [r for r in reads if start <= r < following]
-            end = max([start, *served])
-            offload = offload_of.get(b)
-            offloaded = offload is not None and start <= offload.after_step < following
-            if offloaded:
-                end = max(end, n if offload.done_before_step is None else offload.done_before_step - 1)
-            last = j == len(starts) - 1
-            if (last and on_device_at_end) or (start < 0 and held_for_whole_step(buffer, reads)):
-                end = n
-            stays.append(_Residency(b, start, end, j >= prefetched_from, offloaded, served[0] if served else -1))
-    return stays
-
-
-def issued_before(stay: _Residency, a: int, y: int) -> bool:
+def issued_before(stay: Stay, a: int, y: int) -> bool:
     """Whether a prefetched stay that starts in steps a..y-1 is issued before that segment: where
     it was planned (its start is the segment's), or earlier where the segment reads it. A prefetch
     a merge left inside a segment that does not read it waits for the next boundary instead,
@@ -145,34 +94,34 @@ class _Segmenter:
         self.program, self.schedule = program, schedule
         n = self.n = len(program.steps)
         nbytes = self.nbytes = [b.nbytes for b in program.buffers]
-        self.stays = residencies(program, schedule)
+        # Per buffer, its stays on the device as the executor holds them, in start order.
+        self.stays_of = [schedule.device_stays(program, b) for b in range(len(program.buffers))]
         # Bytes held at a boundary before step a: stays begun before a that last to a or later.
         diff = [0] * (n + 2)
-        self.started_at: list[list[_Residency]] = [[] for _ in range(n + 1)]
-        for stay in self.stays:
+        self.started_at: list[list[Stay]] = [[] for _ in range(n + 1)]
+        for stay in (stay for stays in self.stays_of for stay in stays):
             first, last = stay.start + 1, min(stay.end, n)
             if first <= last:
                 diff[first] += nbytes[stay.buffer]
                 diff[last + 1] -= nbytes[stay.buffer]
             if stay.start >= 0:
                 self.started_at[stay.start].append(stay)
-        held, running = [], 0
-        for a in range(n + 1):
-            running += diff[a]
-            held.append(running)
-        self.held_before = held
-        self.offload_of = {m.buffer: m for m in schedule.moves if isinstance(m, Offload)}
-        self.stays_of: dict[int, list[_Residency]] = defaultdict(list)  # in start order
-        for stay in self.stays:
-            self.stays_of[stay.buffer].append(stay)
+        self.held_before = list(accumulate(diff[: n + 1]))
 
     def fits_as_one(self, a: int, y: int) -> bool:
         """Whether no offload would have to be both issued and waited for inside steps a..y-1."""
-        return not any(
-            a <= m.after_step and m.done_before_step is not None and m.done_before_step < y
-            for m in self.offload_of.values()
-            if m.after_step < y
-        )
+        return not any(m.done_before_step is not None and m.done_before_step < y for m in self._offloads_issued(a, y))
+
+    def _offloads_issued(self, a: int, y: int) -> list[Offload]:
+        """The offloads issued after steps a..y-1, in the order they start (step by step, and in the
+        schedule's order within a step)."""
+        after_step = self.schedule.offloads_by_after_step
+        return [m for k in range(a, y) for m in after_step.get(k, ())]
+
+    def _waits(self, a: int, y: int) -> list[Offload]:
+        """The offloads steps a..y-1 wait for, oldest first (in issue order)."""
+        waits = [m for k in range(a, y) for m in self.schedule.waits_by_step.get(k, ()) if isinstance(m, Offload)]
+        return sorted(waits, key=lambda m: m.after_step)
 
     def estimate(self, a: int, y: int) -> tuple[int, int]:
         """(held bytes at launch, estimated device peak) of steps a..y-1 as one segment."""
@@ -216,8 +165,7 @@ class _Segmenter:
         return self.split_to_fit(a, middle, budget) + self.split_to_fit(middle, y, budget)
 
     def segment(self, a: int, y: int, previous: int | None) -> Segment:
-        program, schedule = self.program, self.schedule
-        steps = program.steps[a:y]
+        steps = self.program.steps[a:y]
         defined_here = {b for step in steps for b in step.writes}
         inputs = tuple(dict.fromkeys(b for step in steps for b in step.reads if b not in defined_here))
         held, estimate = self.estimate(a, y)
@@ -227,13 +175,9 @@ class _Segmenter:
             inputs=inputs,
             outputs=tuple(b for b in sorted(defined_here) if self.stays_of[b][0].needed_after(y)),
             donated=tuple(b for b in inputs if self._owned_and_last_used(b, a, y)),
-            waits=tuple(
-                m.buffer
-                for m in sorted(self.offload_of.values(), key=lambda m: m.after_step)
-                if m.done_before_step is not None and a <= m.done_before_step < y
-            ),
+            waits=tuple(m.buffer for m in self._waits(a, y)),
             prefetches=self.prefetches(a, y, previous),
-            offloads=tuple(m.buffer for m in schedule.offloads if a <= m.after_step < y),
+            offloads=tuple(m.buffer for m in self._offloads_issued(a, y)),
             held_bytes=held,
             estimate_bytes=estimate,
             flops=self.flops(a, y),

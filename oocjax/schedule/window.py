@@ -27,17 +27,17 @@ start and keep" stay on the device instead, and outputs follow the memory of the
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from itertools import accumulate
 
 from oocjax.errors import BudgetInfeasibleError
 from oocjax.schedule._gc import gc_paused
 from oocjax.schedule.baselines import keep_all
-from oocjax.schedule.moves import Offload, Prefetch, Schedule, move_order
+from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule, move_order
 from oocjax.schedule.program import Program, held_for_whole_step
 from oocjax.schedule.simulate import simulate
-from oocjax.schedule.units import format_bytes
+from oocjax.schedule.units import MiB, format_bytes
 
-MiB = 2**20
 DEFAULT_WINDOW_FACTOR = 1.5  # nnabla's default; its authors found it on ResNet-50
 
 # Buffer states during planning.
@@ -90,12 +90,11 @@ def required_bytes(program: Program, min_offload_bytes: int = MiB) -> list[int]:
     """Per step, the device bytes no schedule can go below: the step's own operands, results and
     scratch, plus every value too small to move that is alive across it."""
     n = len(program.steps)
-    uses = program.uses
-    movable_bytes = [0 if _never_moves(b, min_offload_bytes) else b.nbytes for b in program.buffers]
+    movable_bytes = [0 if b.never_moves(min_offload_bytes) else b.nbytes for b in program.buffers]
     pinned_diff = [0] * (n + 1)
     for b, buffer in enumerate(program.buffers):
         if n and not movable_bytes[b]:
-            start, end = _pinned_span(buffer, uses.defined_at[b], uses.read_at[b], n)
+            start, end = program.unmoved_spans[b]
             pinned_diff[start] += buffer.nbytes
             pinned_diff[end + 1] -= buffer.nbytes
     need, pinned = [], 0
@@ -153,192 +152,44 @@ def _check_window(program: Program, window_bytes: int) -> None:
         )
 
 
-def _never_moves(buffer, min_offload_bytes: int) -> bool:
-    return buffer.kind == "constant" or buffer.nbytes < min_offload_bytes
-
-
-def _pinned_span(buffer, defined_at: int | None, reads: tuple[int, ...], n: int) -> tuple[int, int]:
-    """Steps during which a buffer that never moves is on the device."""
-    start = 0 if defined_at is None else defined_at
-    if buffer.is_output or held_for_whole_step(buffer, reads):
-        return start, n - 1
-    return start, max(start, *reads) if reads else start
-
-
 class _WindowPlanner:
-    """One planning problem. ``plan`` restarts ``_attempt`` after each backtrack."""
+    """One planning problem: the access list and its tables, shared by every pass. ``plan`` runs
+    passes until one gets through; a pass that finds no room for a step forbids some prefetches
+    (``backtrack``) and the next starts over."""
 
     def __init__(self, program: Program, budget: int, window: int, min_offload_bytes: int):
         self.program, self.budget, self.window = program, budget, window
         buffers = program.buffers
         self.nbytes = [b.nbytes for b in buffers]
-        self.pinned = [_never_moves(b, min_offload_bytes) for b in buffers]
+        self.pinned = [b.never_moves(min_offload_bytes) for b in buffers]
         # Inputs kept on the device (those too small to move) and constants hold their memory to the
         # end; the device copy of an input that lives on host is a prefetched one, freed like any other.
         self.held_to_end = [
             pinned and held_for_whole_step(buffer, reads)
             for pinned, buffer, reads in zip(self.pinned, buffers, program.uses.read_at)
         ]
+        # The access list as parallel flat lists (access i: buffer, step), not records: the passes
+        # index them once per access, and lists of ints are the fastest to build and read.
         n = len(program.steps)
         access_buffer = [b for step in program.steps for b in (*step.reads, *step.writes)]
         access_step = [k for k, step in enumerate(program.steps) for _ in range(len(step.reads) + len(step.writes))]
-        step_end = list(accumulate(len(step.reads) + len(step.writes) for step in program.steps))
         returned = [b for b, buffer in enumerate(buffers) if buffer.is_output]
         access_buffer += returned  # returning an output is one more access, after the last step
         access_step += [n] * len(returned)
-        self.access_buffer, self.access_step, self.step_end = access_buffer, access_step, step_end
-        self.step_writes = [(step.writes, step.transient_bytes) for step in program.steps]
-        next_access = [-1] * len(access_buffer)
-        last_seen = [-1] * len(buffers)
-        for i in range(len(access_buffer) - 1, -1, -1):
-            b = access_buffer[i]
-            next_access[i] = last_seen[b]
-            last_seen[b] = i
-        self.next_access = next_access
+        self.access_buffer, self.access_step = access_buffer, access_step
+        self.step_end = list(accumulate(len(step.reads) + len(step.writes) for step in program.steps))
+        self.next_access = _next_access(access_buffer, len(buffers))
         self.stopper = [0] * len(access_buffer)  # access i may not enter the window before step stopper[i]
         self.backtracks = 0
 
     def plan(self) -> Schedule:
         while True:
-            schedule = self._attempt()
+            schedule = _Pass(self).run()
             if schedule is not None:
                 return schedule
             self.backtracks += 1
 
-    def _attempt(self) -> Schedule | None:
-        program, budget, window_limit = self.program, self.budget, self.window
-        nbytes, pinned, held_to_end = self.nbytes, self.pinned, self.held_to_end
-        access_buffer, access_step, next_access, stopper = (
-            self.access_buffer,
-            self.access_step,
-            self.next_access,
-            self.stopper,
-        )
-        buffers = program.buffers
-        total = len(access_buffer)
-
-        state = [_CLEARED] * len(buffers)
-        host_copy = [False] * len(buffers)
-        host_inputs = set()
-        device = 0
-        for b, buffer in enumerate(buffers):
-            if buffer.kind == "computed":
-                continue
-            if pinned[b]:
-                state[b] = _IN
-                device += nbytes[b]
-            else:
-                state[b], host_copy[b] = _HOST, True
-                host_inputs.add(b)
-        count = [0] * len(buffers)
-        in_window = 0
-        pending: deque[tuple[int, int]] = deque()  # (buffer, ticket) in issue order
-        open_offload: dict[int, int] = {}  # buffer -> ticket of its offload in flight
-        done_before: dict[int, int] = {}  # ticket -> the step its offload was waited for at
-        # Moves in the order they start, as (is_offload, buffer, step, use step or ticket).
-        events: list[tuple[bool, int, int, int]] = []
-        head = 0
-        n = len(program.steps)
-        step_end = self.step_end
-
-        outgoing = 0  # bytes of device copies whose offload is in flight
-
-        def wait_oldest(k: int) -> None:
-            nonlocal device, outgoing
-            while True:
-                b, ticket = pending.popleft()
-                if open_offload.get(b) == ticket:  # else it was cancelled
-                    break
-            done_before[open_offload.pop(b)] = k
-            state[b], host_copy[b] = _HOST, True
-            device -= nbytes[b]
-            outgoing -= nbytes[b]
-
-        for k, (writes, transient) in enumerate(self.step_writes):
-            # 1. Advance the head: prefetch as far ahead as the window and the budget allow.
-            while head < total and stopper[head] <= k:
-                b = access_buffer[head]
-                if count[b] == 0:
-                    size = nbytes[b]
-                    if in_window + size > window_limit:
-                        break
-                    st = state[b]
-                    if st == _HOST and access_step[head] < n:  # (an output on host is returned as is)
-                        if device - outgoing + size > budget:
-                            break  # even waiting for every offload would not make room
-                        while device + size > budget:
-                            wait_oldest(k)
-                        events.append((False, b, k, access_step[head]))
-                        state[b] = _IN
-                        device += size
-                    elif st == _OUT:  # its device copy is still there: cancel the offload
-                        del open_offload[b]
-                        state[b] = _IN
-                        outgoing -= size
-                    elif st == _CLEARED:
-                        state[b] = _UNPREFETCHED
-                    in_window += size
-                count[b] += 1
-                head += 1
-
-            if head < step_end[k]:  # check_feasible and _check_window rule this out
-                raise AssertionError(f"window planner could not admit every access of step {k}")
-
-            # 2. Reserve this step's outputs and scratch.
-            reserve = transient
-            for b in writes:
-                if state[b] == _UNPREFETCHED:
-                    reserve += nbytes[b]
-                    state[b] = _IN
-            if device - outgoing + reserve > budget:
-                self._backtrack(k, head, count, state, budget - (device - outgoing), reserve)
-                return None
-            while device + reserve > budget:
-                wait_oldest(k)
-            device += reserve - transient
-
-            # 3. After the step: release what the window no longer covers.
-            for i in range(step_end[k - 1] if k else 0, step_end[k]):
-                b = access_buffer[i]
-                count[b] -= 1
-                if count[b]:
-                    continue
-                in_window -= nbytes[b]
-                if next_access[i] < 0:  # no further use
-                    if not held_to_end[b]:
-                        device -= nbytes[b]
-                        state[b] = _CLEARED
-                elif pinned[b]:
-                    pass
-                elif host_copy[b]:  # drop the device copy: the host one is still valid
-                    device -= nbytes[b]
-                    state[b] = _HOST
-                else:
-                    pending.append((b, i))  # the access index serves as the offload's ticket
-                    open_offload[b] = i
-                    events.append((True, b, k, i))
-                    state[b] = _OUT
-                    outgoing += nbytes[b]
-
-        # Offloads still in flight at the end belong to outputs whose copy never had to be waited
-        # for: the device copy was held anyway, so keep the output on the device and skip the copy.
-        host_outputs = {b for b, buffer in enumerate(buffers) if buffer.is_output and state[b] == _HOST}
-        # An offload never waited for was cancelled, or still in flight at the end (see above).
-        moves = tuple(
-            (Offload(buffer=b, after_step=k, done_before_step=done_before[extra]) if extra in done_before else None)
-            if is_offload
-            else Prefetch(buffer=b, issue_step=k, use_step=extra)
-            for is_offload, b, k, extra in events
-        )
-        return Schedule(
-            strategy="window",
-            budget_bytes=budget,
-            host_inputs=frozenset(host_inputs),
-            host_outputs=frozenset(host_outputs),
-            moves=tuple(m for m in moves if m is not None),
-        )
-
-    def _backtrack(self, k: int, head: int, count: list[int], state: list[int], available: int, needed: int) -> None:
+    def backtrack(self, k: int, head: int, count: list[int], state: list[int], available: int, needed: int) -> None:
         """Forbids the furthest prefetches before step k+1, until enough memory would be free."""
         access_buffer, stopper, nbytes, pinned = self.access_buffer, self.stopper, self.nbytes, self.pinned
         seen_later: dict[int, int] = {}
@@ -358,6 +209,207 @@ class _WindowPlanner:
         )
 
 
+def _next_access(access_buffer: list[int], buffer_count: int) -> list[int]:
+    """Per access, the index of the same buffer's next access (-1: none)."""
+    next_access = [-1] * len(access_buffer)
+    last_seen = [-1] * buffer_count
+    for i in range(len(access_buffer) - 1, -1, -1):
+        b = access_buffer[i]
+        next_access[i] = last_seen[b]
+        last_seen[b] = i
+    return next_access
+
+
+@dataclass(slots=True)
+class _PlannedOffload:
+    """An offload issued after ``after_step``. Mutable: whether and when it completes is known
+    only later, when memory is short and it is waited for (``done_before_step``); an offload never
+    waited for was cancelled (its value was needed again before that) or is still in flight at the
+    end, and is dropped from the schedule."""
+
+    buffer: int
+    after_step: int
+    done_before_step: int | None = None
+
+
+class _Pass:
+    """One pass of the window over the program: the state of every buffer and of the device.
+
+    Slotted, with the hot loops binding what they read to locals: the planner visits every access
+    once or twice per pass, so attribute lookups are what its time goes to."""
+
+    __slots__ = (
+        "count",
+        "device",
+        "head",
+        "host_copy",
+        "host_inputs",
+        "in_window",
+        "moves",
+        "open_offload",
+        "outgoing",
+        "pending",
+        "planner",
+        "state",
+    )
+
+    def __init__(self, planner: _WindowPlanner):
+        self.planner = planner
+        buffers, nbytes = planner.program.buffers, planner.nbytes
+        self.state = [_CLEARED] * len(buffers)
+        self.host_copy = [False] * len(buffers)
+        self.host_inputs: set[int] = set()
+        self.device = 0  # bytes on the device, offloads in flight included
+        for b, buffer in enumerate(buffers):
+            if buffer.kind == "computed":
+                continue
+            if planner.pinned[b]:
+                self.state[b] = _IN
+                self.device += nbytes[b]
+            else:
+                self.state[b], self.host_copy[b] = _HOST, True
+                self.host_inputs.add(b)
+        self.count = [0] * len(buffers)  # per buffer, its accesses in the window
+        self.outgoing = 0  # bytes of device copies whose offload is in flight
+        self.in_window = 0  # bytes of the distinct buffers in the window
+        self.head = 0  # the first access not yet in the window
+        self.pending: deque[_PlannedOffload] = deque()  # offloads in issue order, cancelled ones included
+        self.open_offload: dict[int, _PlannedOffload] = {}  # buffer -> its offload in flight
+        self.moves: list[Prefetch | _PlannedOffload] = []  # in the order they start
+
+    def run(self) -> Schedule | None:
+        """The schedule, or None after a backtrack."""
+        for k, step in enumerate(self.planner.program.steps):
+            self._admit_ahead(k)
+            if self.head < self.planner.step_end[k]:  # check_feasible and _check_window rule this out
+                raise AssertionError(f"window planner could not admit every access of step {k}")
+            if not self._reserve(k, step.writes, step.transient_bytes):
+                return None
+            self._release_after(k)
+        return self._schedule()
+
+    def _admit_ahead(self, k: int) -> None:
+        """Moves the head forward while the window and the budget allow. The first access of a
+        buffer in the window prefetches it (from host), cancels its offload (still on the device),
+        or marks it to be created by a step ahead."""
+        planner = self.planner
+        access_buffer, access_step, stopper, nbytes = (
+            planner.access_buffer,
+            planner.access_step,
+            planner.stopper,
+            planner.nbytes,
+        )
+        state, count, head, in_window = self.state, self.count, self.head, self.in_window
+        total, n, window_limit, budget = len(access_buffer), len(planner.program.steps), planner.window, planner.budget
+        while head < total and stopper[head] <= k:
+            b = access_buffer[head]
+            if count[b] == 0:
+                size = nbytes[b]
+                if in_window + size > window_limit:
+                    break
+                st = state[b]
+                if st == _HOST and access_step[head] < n:  # (an output on host is returned as is)
+                    if self.device - self.outgoing + size > budget:
+                        break  # even waiting for every offload would not make room
+                    while self.device + size > budget:
+                        self._wait_oldest(k)
+                    self.moves.append(Prefetch(buffer=b, issue_step=k, use_step=access_step[head]))
+                    state[b] = _IN
+                    self.device += size
+                elif st == _OUT:  # its device copy is still there: cancel the offload
+                    del self.open_offload[b]
+                    state[b] = _IN
+                    self.outgoing -= size
+                elif st == _CLEARED:
+                    state[b] = _UNPREFETCHED
+                in_window += size
+            count[b] += 1
+            head += 1
+        self.head, self.in_window = head, in_window
+
+    def _wait_oldest(self, k: int) -> None:
+        """Waits, before step k, for the oldest offload in flight: its device copy is released."""
+        while True:
+            offload = self.pending.popleft()
+            if self.open_offload.get(offload.buffer) is offload:  # else it was cancelled
+                break
+        b = offload.buffer
+        del self.open_offload[b]
+        offload.done_before_step = k
+        self.state[b], self.host_copy[b] = _HOST, True
+        self.device -= self.planner.nbytes[b]
+        self.outgoing -= self.planner.nbytes[b]
+
+    def _reserve(self, k: int, writes: tuple[int, ...], transient: int) -> bool:
+        """Reserves step k's outputs and scratch, waiting for offloads if memory is short; False
+        (after a backtrack) when even waiting for every offload would not make room."""
+        planner, state = self.planner, self.state
+        reserve = transient
+        for b in writes:
+            if state[b] == _UNPREFETCHED:
+                reserve += planner.nbytes[b]
+                state[b] = _IN
+        available = planner.budget - (self.device - self.outgoing)
+        if reserve > available:
+            planner.backtrack(k, self.head, self.count, state, available, reserve)
+            return False
+        while self.device + reserve > planner.budget:
+            self._wait_oldest(k)
+        self.device += reserve - transient
+        return True
+
+    def _release_after(self, k: int) -> None:
+        """After step k, each buffer whose next access is not in the window is freed (no further
+        use), dropped (it has a host copy), kept (it never moves) or offloaded."""
+        planner = self.planner
+        access_buffer, next_access, nbytes = planner.access_buffer, planner.next_access, planner.nbytes
+        pinned, held_to_end = planner.pinned, planner.held_to_end
+        state, count, host_copy = self.state, self.count, self.host_copy
+        device, outgoing, in_window = self.device, self.outgoing, self.in_window
+        for i in range(planner.step_end[k - 1] if k else 0, planner.step_end[k]):
+            b = access_buffer[i]
+            count[b] -= 1
+            if count[b]:
+                continue
+            in_window -= nbytes[b]
+            if next_access[i] < 0:  # no further use
+                if not held_to_end[b]:
+                    device -= nbytes[b]
+                    state[b] = _CLEARED
+            elif pinned[b]:
+                pass
+            elif host_copy[b]:  # drop the device copy: the host one is still valid
+                device -= nbytes[b]
+                state[b] = _HOST
+            else:
+                offload = _PlannedOffload(buffer=b, after_step=k)
+                self.pending.append(offload)
+                self.open_offload[b] = offload
+                self.moves.append(offload)
+                state[b] = _OUT
+                outgoing += nbytes[b]
+        self.device, self.outgoing, self.in_window = device, outgoing, in_window
+
+    def _schedule(self) -> Schedule:
+        buffers = self.planner.program.buffers
+        # Offloads still in flight at the end belong to outputs whose copy never had to be waited
+        # for: the device copy was held anyway, so keep the output on the device and skip the copy.
+        host_outputs = {b for b, buffer in enumerate(buffers) if buffer.is_output and self.state[b] == _HOST}
+        moves: list[Move] = []
+        for m in self.moves:
+            if isinstance(m, Prefetch):
+                moves.append(m)
+            elif m.done_before_step is not None:  # else cancelled, or in flight at the end (above)
+                moves.append(Offload(buffer=m.buffer, after_step=m.after_step, done_before_step=m.done_before_step))
+        return Schedule(
+            strategy="window",
+            budget_bytes=self.planner.budget,
+            host_inputs=frozenset(self.host_inputs),
+            host_outputs=frozenset(host_outputs),
+            moves=tuple(moves),
+        )
+
+
 def _settle_homes(program: Program, schedule: Schedule) -> Schedule:
     """Decides where inputs and outputs live between steps, given the window plan.
 
@@ -368,40 +420,14 @@ def _settle_homes(program: Program, schedule: Schedule) -> Schedule:
       its state where the plan expects it. If the input stays on host while the output would be
       returned on the device, the output is copied out; the device copy was held to the end anyway.
     """
-    uses = program.uses
-    n = len(program.steps)
-    prefetches: dict[int, list[Prefetch]] = {}
-    for m in schedule.moves:
-        if isinstance(m, Prefetch):
-            prefetches.setdefault(m.buffer, []).append(m)
-    device: list[int] | None = None  # the planned timeline, simulated only if a kept input needs it
-    host_inputs, host_outputs = set(schedule.host_inputs), set(schedule.host_outputs)
-    aliased_output = {buf.aliased_input: b for b, buf in enumerate(program.buffers) if buf.aliased_input is not None}
-    kept_on_device: set[int] = set()
-
-    for b in sorted(schedule.host_inputs):
-        fetched = prefetches.get(b, [])
-        if len(fetched) != 1 or fetched[0].issue_step != 0:
-            continue
-        buffer = program.buffers[b]
-        if b in host_outputs or aliased_output.get(b) in host_outputs:
-            continue  # its output stays on host: keep the input there too
-        if not buffer.donated:
-            if device is None:
-                device = list(simulate(program, schedule).device_bytes)
-            last_read = uses.read_at[b][-1]
-            if any(d + buffer.nbytes > schedule.budget_bytes for d in device[last_read + 1 :]):
-                continue
-            for step in range(last_read + 1, n):
-                device[step] += buffer.nbytes
-        host_inputs.discard(b)
-        kept_on_device.add(b)
-
+    kept_on_device = _inputs_kept_on_device(program, schedule)
+    host_inputs = set(schedule.host_inputs) - kept_on_device
+    host_outputs = set(schedule.host_outputs)
     extra_offloads = []
     for b, buffer in enumerate(program.buffers):
         source = buffer.aliased_input
         if source in host_inputs and b not in host_outputs and buffer.kind == "computed":
-            last = max((uses.defined_at[b], *uses.read_at[b]))
+            last = max((program.uses.defined_at[b], *program.uses.read_at[b]))
             extra_offloads.append(Offload(buffer=b, after_step=last, done_before_step=None))
             host_outputs.add(b)
 
@@ -415,3 +441,30 @@ def _settle_homes(program: Program, schedule: Schedule) -> Schedule:
         host_outputs=frozenset(host_outputs),
         moves=tuple(moves),
     )
+
+
+def _inputs_kept_on_device(program: Program, schedule: Schedule) -> set[int]:
+    """The host inputs fetched once, at step 0, whose output (if any) is not returned on host, and
+    that fit the budget held on the device to the end (a donated one is freed after its last read,
+    as its prefetched copy was)."""
+    n, uses = len(program.steps), program.uses
+    aliased_output = {buf.aliased_input: b for b, buf in enumerate(program.buffers) if buf.aliased_input is not None}
+    device: list[int] | None = None  # the planned timeline, simulated only if a kept input needs it
+    kept: set[int] = set()
+    for b in sorted(schedule.host_inputs):
+        fetched = schedule.prefetches_by_buffer.get(b, ())
+        if len(fetched) != 1 or fetched[0].issue_step != 0:
+            continue
+        buffer = program.buffers[b]
+        if b in schedule.host_outputs or aliased_output.get(b) in schedule.host_outputs:
+            continue  # its output stays on host: keep the input there too
+        if not buffer.donated:
+            if device is None:
+                device = list(simulate(program, schedule).device_bytes)
+            last_read = uses.read_at[b][-1]
+            if any(d + buffer.nbytes > schedule.budget_bytes for d in device[last_read + 1 :]):
+                continue
+            for step in range(last_read + 1, n):
+                device[step] += buffer.nbytes
+        kept.add(b)
+    return kept
