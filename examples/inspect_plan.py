@@ -23,21 +23,13 @@
 # Here: a small Flax CNN trained with Adam, planned at 60% and at 35% of its in-core estimate.
 
 # %%
-import os
-from pathlib import Path
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import matplotlib
 import optax
 from IPython.display import display
 
 from oocjax import Plan, ooc_jit
-
-matplotlib.use("Agg")  # figures go to files as well as to the notebook
-FIGURES = Path(os.environ.get("OOCJAX_FIGURES", "figures"))
-FIGURES.mkdir(parents=True, exist_ok=True)
 
 
 # %%
@@ -76,11 +68,13 @@ print(plans)
 
 # %% [markdown]
 # ## The summary
-# Budget, peaks, traffic each way, the largest moves (how long each value stays on host, in
-# equations), and the step time simulated on a PCIe H100.
+# Budget, peaks (the planner's estimate, and the executed peak measured from the compiled segments
+# on this machine's device), traffic each way, and the largest moves: how long each value stays on
+# host, in equations, and which line of the model made it. With `profile=`, the step time simulated
+# on a model of a GPU (here a PCIe H100): a model, not a measurement.
 
 # %%
-print(plans[0.4].summary(profile="h100-pcie"))
+print(plans[0.4].summary(profile="h100"))
 
 # %% [markdown]
 # ## Memory over the program
@@ -88,9 +82,8 @@ print(plans[0.4].summary(profile="h100-pcie"))
 
 # %%
 for fraction, plan in plans.items():
-    memory_ax, _ = plan.plot(profile="h100-pcie")
-    memory_ax.figure.savefig(FIGURES / f"plan-{round(fraction * 100)}.png", dpi=110, bbox_inches="tight")
-    display(memory_ax.figure)
+    memory_ax = plan.plot()
+    memory_ax.set_title(f"budget {round(fraction * 100)}% of in-core: " + memory_ax.get_title())
 
 # %% [markdown]
 # The notebook view needs no matplotlib: the plan renders itself as a summary and an SVG timeline.
@@ -104,11 +97,12 @@ display(plans[0.6])
 # needs and the prefetches it reads; after it, the offloads of what it produced.
 
 # %%
-print("\n".join(plans[0.4].pretty_jaxpr().splitlines()[:40]))
+print("\n".join(plans[0.4].pretty_jaxpr().splitlines()[:30]))
 
 # %% [markdown]
-# Plans can be saved next to experiment logs and loaded again (without the jaxprs).
+# Plans can be saved next to experiment logs: by default a small summary of what moved
+# (`full=True` keeps the planner's program too, and loads back as a `Plan`, without the jaxprs).
 
 # %%
-saved = plans[0.4].to_json()
-Plan.from_json(saved)
+print(plans[0.4].to_json()[:400])
+Plan.from_json(plans[0.4].to_json(full=True))

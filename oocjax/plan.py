@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from oocjax.schedule import MemoryTimeline, Offload, Prefetch, Program, Schedule, format_bytes, keep_all, simulate
+from oocjax.schedule import MemoryTimeline, Program, Schedule, format_bytes, keep_all, simulate
 from oocjax.schedule.cost import DeviceProfile
 from oocjax.schedule.segments import Segment, SegmentCost
 
@@ -104,57 +104,43 @@ class Plan:
         jaxpr: Any,
         source_jaxpr: Any,
         budget_bytes: int | None = None,
-        segments: tuple[Segment, ...] = (),
-        segment_costs: tuple[SegmentCost, ...] = (),
-        executed_peak_bytes: int | None = None,
-        attempts: tuple[int, ...] = (),
-        input_kinds: tuple[str, ...] = (),
-        headroom_bytes: int = 0,
-        device: str = "",
+        **measured: Any,
     ) -> Plan:
+        """The plan of ``schedule`` for ``program``, simulated; ``measured`` sets the fields that
+        come from compiling and running it (``segments``, ``segment_costs``, ``executed_peak_bytes``,
+        ``attempts``, ``input_kinds``, ``headroom_bytes``, ``device``)."""
         timeline = simulate(program, schedule)
-        baseline = simulate(program, keep_all(program))
-        fetches: dict[int, list[int]] = {}
-        for m in schedule.moves:
-            if isinstance(m, Prefetch):
-                fetches.setdefault(m.buffer, []).append(m.issue_step)
-        label = [b.label for b in program.buffers]
-        size = [b.nbytes for b in program.buffers]
+        fetches = {b: [p.issue_step for p in ps] for b, ps in schedule.prefetches_by_buffer.items()}
+        buffers = program.buffers
         offloads = tuple(
             OffloadInfo(
-                label=label[m.buffer],
-                nbytes=size[m.buffer],
+                label=buffers[m.buffer].label,
+                nbytes=buffers[m.buffer].nbytes,
                 offload_after=m.after_step,
                 prefetch_before=fetches.get(m.buffer, [None])[0],
             )
-            for m in schedule.moves
-            if isinstance(m, Offload)
+            for m in schedule.offloads
         )
         host_inputs = tuple(
-            HostInputInfo(label=label[b], nbytes=size[b], prefetch_before=tuple(fetches.get(b, ())))
+            HostInputInfo(label=buffers[b].label, nbytes=buffers[b].nbytes, prefetch_before=tuple(fetches.get(b, ())))
             for b in sorted(schedule.host_inputs)
         )
+        baseline = simulate(program, keep_all(program))
         return cls(
             budget_bytes=schedule.budget_bytes if budget_bytes is None else budget_bytes,
-            segments=segments,
-            segment_costs=segment_costs,
-            executed_peak_bytes=executed_peak_bytes,
-            attempts=attempts,
-            input_kinds=input_kinds,
-            headroom_bytes=headroom_bytes,
-            device=device,
             peak_bytes=timeline.peak_bytes,
             baseline_peak_bytes=baseline.peak_bytes,
             host_peak_bytes=timeline.host_peak_bytes,
             offloads=offloads,
             host_inputs=host_inputs,
-            host_outputs=tuple(label[b] for b in sorted(schedule.host_outputs)),
+            host_outputs=tuple(buffers[b].label for b in sorted(schedule.host_outputs)),
             jaxpr=jaxpr,
             source_jaxpr=source_jaxpr,
             program=program,
             schedule=schedule,
             timeline=timeline,
             baseline_timeline=baseline,
+            **measured,
         )
 
     @property

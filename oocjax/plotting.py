@@ -5,13 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from oocjax.render import counted
-from oocjax.schedule import Offload
-from oocjax.schedule.cost import DeviceProfile, simulate_time
+from oocjax.schedule import MiB, Offload
+from oocjax.schedule.cost import DeviceProfile, resolve_profile, simulate_time
 
 if TYPE_CHECKING:
     from oocjax.plan import Plan
 
-MiB = 2**20  # TODO(schedule.units)
 LABELLED_MOVES = 5  # the largest moves get their value's name on the plot
 
 
@@ -33,6 +32,7 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
     Returns the memory axes, or (memory axes, stream axes) with a profile.
     """
     plt = _pyplot()
+    own_figure = ax is None  # a user's own figure keeps the layout they gave it
     if ax is None:
         rows = 2 if profile is not None else 1
         _, axes = plt.subplots(rows, 1, figsize=(10, 3.2 * rows), squeeze=False)
@@ -69,9 +69,11 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
     ax.set_title(f"{counted(len(plan.offloads), 'offload')}, {counted(len(plan.host_inputs), 'argument')} on host")
 
     if stream_ax is None:
-        ax.figure.tight_layout()  # keeps the x label inside a plain savefig
+        if own_figure:
+            ax.figure.tight_layout()  # keeps the x label inside a plain savefig
         return ax
-    timed = simulate_time(plan.program, plan.schedule, profile)
+    model = resolve_profile(profile)
+    timed = simulate_time(plan.program, plan.schedule, model)
     lanes = [
         ("compute", timed.compute_spans, "tab:blue"),
         ("host to device", timed.h2d_spans, "tab:green"),
@@ -83,12 +85,12 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
         )
     stream_ax.set_yticks(range(len(lanes)), [name for name, _, _ in lanes])
     stream_ax.set_xlabel("time (ms)")
-    name = profile if isinstance(profile, str) else profile.name
     stream_ax.set_title(
-        f"timed simulation on {name}: step {timed.step_time_s * 1e3:.3g} ms, "
+        f"timed simulation on a model of {model.name}: step {timed.step_time_s * 1e3:.3g} ms, "
         f"exposed transfers {timed.exposed_transfer_s * 1e3:.3g} ms"
     )
-    ax.figure.tight_layout()
+    if own_figure:
+        ax.figure.tight_layout()
     return ax, stream_ax
 
 

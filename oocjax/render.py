@@ -9,15 +9,7 @@ import html
 from typing import TYPE_CHECKING
 
 from oocjax.schedule import Offload, format_bytes
-from oocjax.schedule.cost import PROFILES, DeviceProfile, simulate_time
-
-try:  # TEMPSHIM
-    from oocjax.schedule.cost import resolve_profile
-except ImportError:  # TEMPSHIM
-
-    def resolve_profile(p):  # TEMPSHIM
-        return PROFILES[p] if isinstance(p, str) else p  # TEMPSHIM
-
+from oocjax.schedule.cost import DeviceProfile, resolve_profile, simulate_time
 
 if TYPE_CHECKING:
     from oocjax.plan import Plan
@@ -212,10 +204,7 @@ def pretty_jaxpr(plan: Plan, *, full: bool = False) -> str:
 
 def _chain_lines(plan: Plan) -> list[str]:
     buffers, steps = plan.program.buffers, plan.program.steps
-    uses: dict[int, list[int]] = {}  # buffer -> steps its prefetches serve
-    for m in plan.schedule.moves:
-        if not isinstance(m, Offload):
-            uses.setdefault(m.buffer, []).append(m.use_step)
+    uses = {b: [p.use_step for p in fetches] for b, fetches in plan.schedule.prefetches_by_buffer.items()}
 
     def value(b: int) -> str:
         return f"{buffers[b].label} ({format_bytes(buffers[b].nbytes)})"

@@ -19,6 +19,7 @@ def plan() -> Plan:
 
 @pytest.fixture(autouse=True)
 def close_figures():
+    plt.close("all")  # figures other tests left open
     yield
     plt.close("all")
 
