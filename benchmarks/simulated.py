@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-
 from oocjax.schedule import (
     fixed_lookahead,
     format_bytes,
@@ -33,7 +31,7 @@ from oocjax.schedule import (
     swap_all_just_in_time,
 )
 from oocjax.schedule.cost import simulate_time
-from oocjax.transforms.analyse import flatten, to_program
+from oocjax.transforms.trace import trace_step
 
 if __package__ in (None, ""):  # run as ``python benchmarks/simulated.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,11 +44,7 @@ WITHIN = 1.25  # "close to in-core speed"
 
 
 def program_of(workload):
-    traced = jax.jit(workload.step, donate_argnums=(0,)).trace(workload.state, workload.batch)
-    flat = flatten(traced.jaxpr)
-    labels = [f"argument {i}" for i in range(flat.num_inputs)]
-    donated = [leaf.donated for leaf in jax.tree.leaves(traced.args_info)]
-    return to_program(flat, input_labels=labels, donated=donated)
+    return trace_step(workload.step, workload.state, workload.batch, donate_argnums=(0,)).program
 
 
 def budgets(in_core: int, smallest: int) -> list[tuple[float, int]]:

@@ -126,9 +126,7 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
             min_segment_flops=options.min_segment_flops,
             min_segments=options.min_segments,
         )
-        functions = segment_functions(flat, segments)
-        labels = [buffer.label for buffer in program.buffers]
-        chain = chain_jaxpr(chain_function(flat, schedule, segments, functions, labels), flat, input_kinds)
+        functions, chain = _chain(traced, program, schedule, segments, input_kinds)
         programs, costs = compile_segments(chain, functions, compiled)
         peak, worst = executed_peak(segments, costs)
         history.append((planned_for, peak))
@@ -156,6 +154,14 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
         device=device,
     )
     return BuiltStep(plan, ChainExecutor(chain, programs, costs, budget_bytes), input_kinds, tuple(functions))
+
+
+def _chain(traced: TracedStep, program: Program, schedule: Any, segments: tuple, input_kinds: tuple) -> tuple:
+    """One jitted function per segment, and the chain's jaxpr (transfers named for their values)."""
+    functions = segment_functions(traced.flat, segments)
+    labels = [buffer.label for buffer in program.buffers]
+    chain = chain_function(traced.flat, schedule, segments, functions, labels)
+    return functions, chain_jaxpr(chain, traced.flat, input_kinds)
 
 
 def _plan(program: Program, planned_for: int, budget: int, options: PlannerOptions, history: list, worst: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from oocjax.render import counted
-from oocjax.schedule import MiB, Offload
+from oocjax.schedule import MiB
 from oocjax.schedule.cost import DeviceProfile, resolve_profile, simulate_time
 
 if TYPE_CHECKING:
@@ -39,7 +39,15 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
         ax, stream_ax = axes[0][0], (axes[1][0] if profile is not None else None)
     else:
         stream_ax = ax.figure.add_axes([0.1, -0.45, 0.8, 0.35]) if profile is not None else None
+    _memory_panel(ax, plan)
+    if stream_ax is not None:
+        _stream_panel(stream_ax, plan, resolve_profile(profile))
+    if own_figure:
+        ax.figure.tight_layout()  # keeps the x label inside a plain savefig
+    return ax if stream_ax is None else (ax, stream_ax)
 
+
+def _memory_panel(ax: Any, plan: Plan) -> None:
     steps = range(len(plan.timeline.device_bytes))
     ax.step(
         steps,
@@ -57,8 +65,8 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
         label=f"planned ({plan.peak_bytes / MiB:.1f} MiB peak)",
     )
     ax.axhline(plan.budget_bytes / MiB, color="tab:red", linestyle="--", label="budget")
-    offloads = [m.after_step for m in plan.schedule.moves if isinstance(m, Offload)]
-    prefetches = [m.issue_step for m in plan.schedule.moves if not isinstance(m, Offload)]
+    offloads = [m.after_step for m in plan.schedule.offloads]
+    prefetches = [m.issue_step for m in plan.schedule.prefetches]
     ax.plot(offloads, [0] * len(offloads), "v", color="tab:orange", markersize=5, label="offload")
     ax.plot(prefetches, [0] * len(prefetches), "^", color="tab:green", markersize=5, label="prefetch")
     _label_largest_moves(ax, plan)
@@ -68,11 +76,8 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
     ax.legend(loc="upper right", fontsize="small")
     ax.set_title(f"{counted(len(plan.offloads), 'offload')}, {counted(len(plan.host_inputs), 'argument')} on host")
 
-    if stream_ax is None:
-        if own_figure:
-            ax.figure.tight_layout()  # keeps the x label inside a plain savefig
-        return ax
-    model = resolve_profile(profile)
+
+def _stream_panel(ax: Any, plan: Plan, model: DeviceProfile) -> None:
     timed = simulate_time(plan.program, plan.schedule, model)
     lanes = [
         ("compute", timed.compute_spans, "tab:blue"),
@@ -80,18 +85,13 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
         ("device to host", timed.d2h_spans, "tab:orange"),
     ]
     for row, (_, spans, color) in enumerate(lanes):
-        stream_ax.broken_barh(
-            [(start * 1e3, (end - start) * 1e3) for start, end in spans], (row - 0.4, 0.8), color=color
-        )
-    stream_ax.set_yticks(range(len(lanes)), [name for name, _, _ in lanes])
-    stream_ax.set_xlabel("time (ms)")
-    stream_ax.set_title(
+        ax.broken_barh([(start * 1e3, (end - start) * 1e3) for start, end in spans], (row - 0.4, 0.8), color=color)
+    ax.set_yticks(range(len(lanes)), [name for name, _, _ in lanes])
+    ax.set_xlabel("time (ms)")
+    ax.set_title(
         f"timed simulation on a model of {model.name}: step {timed.step_time_s * 1e3:.3g} ms, "
         f"exposed transfers {timed.exposed_transfer_s * 1e3:.3g} ms"
     )
-    if own_figure:
-        ax.figure.tight_layout()
-    return ax, stream_ax
 
 
 def _label_largest_moves(ax: Any, plan: Plan) -> None:

@@ -54,12 +54,6 @@ def test_the_baseline_schedules_of_the_program_are_valid():
 # -- unknown-buffer ----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="BUG: validate's byte totals index program.buffers with every move's buffer, so a move naming "
-    "a buffer the program lacks raises IndexError instead of the 'unknown-buffer' violation it records",
-)
 @pytest.mark.parametrize(
     "move",
     [Prefetch(buffer=9, issue_step=0, use_step=0), Offload(buffer=9, after_step=0, done_before_step=None)],
@@ -83,11 +77,6 @@ def test_copying_out_a_constant_is_a_bad_offload():
     assert found(Offload(buffer=K, after_step=0, done_before_step=1)) == [("bad-offload", 0, K)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (wording): offloading a constant says 'is an constant: place it on host instead of "
-    "copying it out', but constants cannot be placed on host (prefetching one says they stay on the device)",
-)
 def test_copying_out_a_constant_says_constants_stay_on_the_device():
     text = messages(Offload(buffer=K, after_step=0, done_before_step=1))
     assert "(k) is a constant" in text and "place it on host" not in text

@@ -136,6 +136,8 @@ def _offload_problem(program: Program, offload: Offload, offloaded_before: bool)
     n, b = len(program.steps), offload.buffer
     buffer, defined = program.buffers[b], program.uses.defined_at[b]
     after, done = offload.after_step, offload.done_before_step
+    if buffer.kind == "constant":
+        return "is a constant: constants stay on the device, they are never copied out"
     if buffer.kind != "computed":
         return f"is an {buffer.kind}: place it on host instead of copying it out"
     if offloaded_before:
@@ -239,15 +241,21 @@ def _timeline(program: Program, schedule: Schedule, device_diff: list[int], host
     device = [live + step.transient_bytes for live, step in zip(accumulate(device_diff), program.steps)]
     host = list(accumulate(host_diff))[: len(program.steps)]
     peak = max(device, default=0)
-    # Every move's bytes, checked or not (a move naming a buffer the program lacks fails here).
+    # Every move's bytes, checked or not; a move naming a buffer the program lacks moves nothing
+    # (validate reports it as unknown-buffer).
+    count = len(program.buffers)
+
+    def moved(moves: tuple) -> int:
+        return sum(program.buffers[m.buffer].nbytes for m in moves if 0 <= m.buffer < count)
+
     return MemoryTimeline(
         device_bytes=tuple(device),
         host_bytes=tuple(host),
         peak_bytes=peak,
         peak_step=device.index(peak) if device else None,
         host_peak_bytes=max(host, default=0),
-        h2d_bytes=sum(program.buffers[m.buffer].nbytes for m in schedule.prefetches),
-        d2h_bytes=sum(program.buffers[m.buffer].nbytes for m in schedule.offloads),
+        h2d_bytes=moved(schedule.prefetches),
+        d2h_bytes=moved(schedule.offloads),
     )
 
 
