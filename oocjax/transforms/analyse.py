@@ -2,10 +2,11 @@
 
 Two passes, each one loop over equations:
 
-* ``flatten`` inlines nested ``jit`` calls, so that the planner sees the real operations of the
-  step rather than a handful of calls, and numbers every value with a global buffer id.
+* ``flatten`` inlines nested ``jit`` calls and remat (``checkpoint``) blocks, so that the planner
+  sees the real operations of the step rather than a handful of calls, and numbers every value
+  with a global buffer id.
 * ``to_program`` sizes every buffer from its aval and turns each flat equation into a planner step.
-  Other higher-order primitives (``scan``, ``while``, ``cond``, ``checkpoint``, ``custom_jvp_call``,
+  Other higher-order primitives (``scan``, ``while``, ``cond``, ``custom_jvp_call``,
   ``custom_vjp_call``) stay one opaque step each, whose own peak becomes the step's scratch
   (``transient_bytes``) and whose work its flops.
 
@@ -75,8 +76,8 @@ def flatten(closed: jc.ClosedJaxpr) -> FlatProgram:
             inputs = [read(atom) for atom in eqn.invars]
             rule = primitive_rules.get(eqn.primitive.name)
             if rule is not None and rule.inline_param is not None:
-                callee = eqn.params[rule.inline_param]
-                results = inline(callee.jaxpr, callee.consts, inputs)
+                callee = eqn.params[rule.inline_param]  # a ClosedJaxpr, or a Jaxpr without consts (remat)
+                results = inline(getattr(callee, "jaxpr", callee), getattr(callee, "consts", ()), inputs)
             else:
                 results = [new(var.aval) for var in eqn.outvars]
                 equations.append(FlatEquation(eqn, tuple(inputs), tuple(results)))
@@ -163,7 +164,10 @@ primitive_rules: dict[str, PrimitiveRule] = {
     jc.scan_p.name: PrimitiveRule(body_params=("jaxpr",), trip_count=_scan_length),
     jc.while_p.name: PrimitiveRule(body_params=("cond_jaxpr", "body_jaxpr"), trip_count=_while_trip_count),
     jc.cond_p.name: PrimitiveRule(body_params=("branches",), combine_flops=max),
-    jc.remat_p.name: PrimitiveRule(body_params=("jaxpr",)),
+    # A remat (checkpoint) block is planned through: its equations become steps, so its internal
+    # peak is planned rather than reserved whole. The recomputation stays (its own equations), and
+    # the forward and the recomputation land in separate segments, so XLA cannot merge them.
+    jc.remat_p.name: PrimitiveRule(inline_param="jaxpr"),
     jc.custom_jvp_call_p.name: PrimitiveRule(body_params=("call_jaxpr",)),
     jc.custom_vjp_call_p.name: PrimitiveRule(body_params=("call_jaxpr",)),
     "dot_general": PrimitiveRule(flops=_dot_general_flops),
