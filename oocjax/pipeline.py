@@ -117,6 +117,7 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
                 input_kinds=input_kinds,
                 device=device,
                 headroom_bytes=options.headroom_bytes,
+                loops=flat.loops,
             )
             return BuiltStep(plan, None, input_kinds)
         segments = cut_segments(
@@ -146,6 +147,7 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
         source_jaxpr=traced.jaxpr,
         budget_bytes=user_budget,
         headroom_bytes=options.headroom_bytes,
+        loops=flat.loops,
         segments=segments,
         segment_costs=tuple(costs),
         executed_peak_bytes=peak,

@@ -70,6 +70,8 @@ class Plan:
       headroom_bytes: device memory the plan leaves free within the budget for what the allocator
         takes beyond the arrays and programs it accounts for (on a GPU: a default share of the
         budget at first, more after a call measured over the budget).
+      loops: the step's top-level scans (``transforms.analyse.LoopInfo``: label, length, and whether
+        it runs one iteration at a time or whole, as one operation).
       device: the device the step was planned and compiled for (``"cpu"``, ``"NVIDIA H200"``);
         empty for a plan built by hand.
     """
@@ -93,6 +95,7 @@ class Plan:
     attempts: tuple[int, ...] = ()
     input_kinds: tuple[str, ...] = ()
     headroom_bytes: int = 0
+    loops: tuple[Any, ...] = ()
     device: str = ""
 
     @classmethod
@@ -107,8 +110,8 @@ class Plan:
         **measured: Any,
     ) -> Plan:
         """The plan of ``schedule`` for ``program``, simulated; ``measured`` sets the fields that
-        come from compiling and running it (``segments``, ``segment_costs``, ``executed_peak_bytes``,
-        ``attempts``, ``input_kinds``, ``headroom_bytes``, ``device``)."""
+        come from tracing, compiling and running it (``segments``, ``segment_costs``,
+        ``executed_peak_bytes``, ``attempts``, ``input_kinds``, ``headroom_bytes``, ``loops``, ``device``)."""
         timeline = simulate(program, schedule)
         fetches = {b: [p.issue_step for p in ps] for b, ps in schedule.prefetches_by_buffer.items()}
         buffers = program.buffers

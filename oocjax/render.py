@@ -49,6 +49,8 @@ def summary(plan: Plan, profile: DeviceProfile | str | None = None, *, largest: 
         ),
     ]
     device = f" for {plan.device}" if plan.device else ""
+    if plan.loops:
+        rows.append(("loops", _loops(plan.loops)))
     lines = [f"oocjax plan{device} ({plan.schedule.strategy}, {len(program.steps)} equations)"]
     lines += [f"  {name:<13} {value}" for name, value in rows]
 
@@ -77,6 +79,19 @@ def summary(plan: Plan, profile: DeviceProfile | str | None = None, *, largest: 
             f"  lower bound   {_seconds(timed.lower_bound_s)} (max of compute and each link's traffic)",
         ]
     return "\n".join(lines)
+
+
+def _loops(loops) -> str:
+    """``2 scans run one iteration at a time (model.py:40, length 12); 1 scan runs whole (...)``."""
+    parts = []
+    for unrolled, how in ((True, "run one iteration at a time"), (False, "run whole, as one operation")):
+        chosen = [loop for loop in loops if loop.unrolled == unrolled]
+        if chosen:
+            where = ", ".join(f"{loop.label or 'unknown line'}, length {loop.length}" for loop in chosen[:3])
+            more = f" and {len(chosen) - 3} more" if len(chosen) > 3 else ""
+            verb = how if len(chosen) > 1 else how.replace("run ", "runs ", 1)
+            parts.append(f"{counted(len(chosen), 'scan')} {verb} ({where}{more})")
+    return "; ".join(parts)
 
 
 def _move_rows(plan: Plan) -> list[tuple[str, int, str, str, str]]:

@@ -109,6 +109,11 @@ def equation_context(eqn: JaxprEqn) -> Iterator[None]:
         yield
 
 
+def with_source_of(eqn: JaxprEqn, source: JaxprEqn) -> JaxprEqn:
+    """``eqn`` as if written where ``source`` was (oocjax's own slicing and stacking of a scan)."""
+    return eqn.replace(source_info=source.source_info)
+
+
 def source_line(eqn: JaxprEqn) -> str:
     """``"model.py:42 (loss)"``: the user's line an equation came from, or ``""`` if none.
 

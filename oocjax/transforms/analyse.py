@@ -20,10 +20,14 @@ break the budget.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from oocjax.errors import UnsupportedPrimitiveError
 from oocjax.schedule import Buffer, Program, Step, keep_all, simulate
@@ -51,51 +55,168 @@ class FlatProgram:
     num_inputs: int
     constants: tuple[tuple[int, Any], ...]  # (buffer id, value)
     outputs: tuple[Ref, ...]
+    loops: tuple[LoopInfo, ...] = ()  # top-level scans, unrolled or not
 
 
-def flatten(closed: jc.ClosedJaxpr) -> FlatProgram:
-    """Inlines nested ``jit`` (and ``closed_call``) equations, giving every value a buffer id."""
-    avals: list[Any] = []
-    constants: list[tuple[int, Any]] = []
-    equations: list[FlatEquation] = []
+def flatten(closed: jc.ClosedJaxpr, *, unroll: bool = True) -> FlatProgram:
+    """Inlines nested ``jit`` (and ``closed_call``) equations and remat blocks, and unrolls the
+    scans worth it (``unroll``), giving every value a buffer id."""
+    flattener = _Flattener(unroll)
+    with gc_paused():
+        arguments = [flattener.new(var.aval) for var in closed.jaxpr.invars]
+        outputs = [flattener.materialize(r) for r in flattener.inline(closed.jaxpr, closed.consts, arguments)]
+    return FlatProgram(
+        equations=tuple(flattener.equations),
+        avals=tuple(flattener.avals),
+        num_inputs=len(arguments),
+        constants=tuple(flattener.constants),
+        outputs=tuple(outputs),
+        loops=tuple(flattener.loops),
+    )
 
-    def new(aval: Any) -> int:
-        avals.append(aval)
-        return len(avals) - 1
 
-    def inline(jaxpr: jc.Jaxpr, consts: Sequence[Any], operands: Sequence[Ref]) -> list[Ref]:
-        env: dict[jc.Var, Ref] = dict(zip(jaxpr.invars, operands, strict=True))
-        for var, value in zip(jaxpr.constvars, consts, strict=True):
-            env[var] = new(var.aval)
-            constants.append((env[var], value))
+@dataclass(frozen=True, slots=True, eq=False)
+class _Stacked:
+    """The ``ys`` of an unrolled scan: one buffer per iteration, in index order. A stacked array is
+    built only where something reads it whole; a later unrolled scan reads the parts."""
 
-        def read(atom: Any) -> Ref:
+    parts: tuple[Ref, ...]
+    source: jc.JaxprEqn  # the scan, for the stacking equation's source line
+
+
+@dataclass(frozen=True, slots=True)
+class LoopInfo:
+    """A top-level ``scan``: where it is, its length, and whether it runs one iteration at a time."""
+
+    label: str
+    length: int
+    unrolled: bool
+
+
+class _Flattener:
+    """``flatten``'s state: every value's aval, the constants and the flat equations so far."""
+
+    def __init__(self, unroll: bool):
+        self.unroll = unroll
+        self.avals: list[Any] = []
+        self.constants: list[tuple[int, Any]] = []
+        self.equations: list[FlatEquation] = []
+        self.loops: list[LoopInfo] = []
+        self.constant_ids: dict[int, int] = {}  # id(value) -> its buffer: a constant inlined twice is one value
+        self.stacks: dict[int, int] = {}  # id(_Stacked) -> the buffer built for it
+
+    def new(self, aval: Any) -> int:
+        self.avals.append(aval)
+        return len(self.avals) - 1
+
+    def constant(self, aval: Any, value: Any) -> int:
+        if id(value) not in self.constant_ids:
+            self.constant_ids[id(value)] = self.new(aval)
+            self.constants.append((self.constant_ids[id(value)], value))
+        return self.constant_ids[id(value)]
+
+    def inline(self, jaxpr: jc.Jaxpr, consts: Sequence[Any], operands: Sequence[Any], source: Any = None) -> list:
+        """The equations of ``jaxpr`` on ``operands``; its results (buffers, literals or stacks).
+        With ``source``, the equations take its source line (oocjax's own slicing and stacking)."""
+        env: dict[jc.Var, Any] = dict(zip(jaxpr.invars, operands, strict=True))
+        env |= {var: self.constant(var.aval, value) for var, value in zip(jaxpr.constvars, consts, strict=True)}
+
+        def value(atom: Any) -> Any:
             return atom if isinstance(atom, jc.Literal) else env[atom]
 
         for eqn in jaxpr.eqns:
-            inputs = [read(atom) for atom in eqn.invars]
             rule = primitive_rules.get(eqn.primitive.name)
             if rule is not None and rule.inline_param is not None:
                 callee = eqn.params[rule.inline_param]  # a ClosedJaxpr, or a Jaxpr without consts (remat)
-                results = inline(getattr(callee, "jaxpr", callee), getattr(callee, "consts", ()), inputs)
+                jaxpr_, consts_ = getattr(callee, "jaxpr", callee), getattr(callee, "consts", ())
+                results = self.inline(jaxpr_, consts_, [value(a) for a in eqn.invars], source)
+            elif eqn.primitive is jc.scan_p and self.unroll and _worth_unrolling(eqn):
+                results = self.unrolled_scan(eqn, [value(a) for a in eqn.invars])
             else:
-                results = [new(var.aval) for var in eqn.outvars]
-                equations.append(FlatEquation(eqn, tuple(inputs), tuple(results)))
-            for var, result in zip(eqn.outvars, results, strict=True):
-                if not isinstance(var, jc.DropVar):
-                    env[var] = result
-        return [read(atom) for atom in jaxpr.outvars]
+                if eqn.primitive is jc.scan_p:
+                    self.loops.append(LoopInfo(jc.source_line(eqn), int(eqn.params["length"]), unrolled=False))
+                inputs = tuple(self.materialize(value(a)) for a in eqn.invars)
+                results = [self.new(var.aval) for var in eqn.outvars]
+                placed = eqn if source is None else jc.with_source_of(eqn, source)
+                self.equations.append(FlatEquation(placed, inputs, tuple(results)))
+            env |= {var: r for var, r in zip(eqn.outvars, results, strict=True) if not isinstance(var, jc.DropVar)}
+        return [value(atom) for atom in jaxpr.outvars]
 
-    with gc_paused():
-        arguments = [new(var.aval) for var in closed.jaxpr.invars]
-        outputs = inline(closed.jaxpr, closed.consts, arguments)
-    return FlatProgram(
-        equations=tuple(equations),
-        avals=tuple(avals),
-        num_inputs=len(arguments),
-        constants=tuple(constants),
-        outputs=tuple(outputs),
+    def materialize(self, r: Any) -> Ref:
+        """A buffer for ``r``: a stack of an unrolled scan's outputs is built here, once."""
+        if not isinstance(r, _Stacked):
+            return r
+        if id(r) not in self.stacks:
+            parts = [self.materialize(p) for p in r.parts]
+            stack = _stack_jaxpr(tuple(self.avals[p] if isinstance(p, int) else p.aval for p in parts))
+            (self.stacks[id(r)],) = self.inline(stack.jaxpr, stack.consts, parts, source=r.source)
+        return self.stacks[id(r)]
+
+    def unrolled_scan(self, eqn: jc.JaxprEqn, operands: list[Any]) -> list[Any]:
+        """A scan as one inlined body per iteration: its ``xs`` sliced at the iteration's index (the
+        index a constant operand, so every iteration's equations are alike and share compiled
+        segments), its ``ys`` kept per iteration."""
+        params, body = eqn.params, eqn.params["jaxpr"]
+        length, consts_count, carry_count = int(params["length"]), params["num_consts"], params["num_carry"]
+        self.loops.append(LoopInfo(jc.source_line(eqn), length, unrolled=True))
+        consts, carry = operands[:consts_count], operands[consts_count : consts_count + carry_count]
+        xs = operands[consts_count + carry_count :]
+        ys: list[list[Any]] = [[None] * length for _ in range(len(body.jaxpr.outvars) - carry_count)]
+        for i in reversed(range(length)) if params["reverse"] else range(length):
+            index = self.constant(jax.typeof(_index_value(i)), _index_value(i))
+            slices = [self.slice(x, i, index, eqn) for x in xs]
+            results = self.inline(body.jaxpr, body.consts, [*consts, *carry, *slices])
+            carry = results[:carry_count]
+            for y, result in zip(ys, results[carry_count:], strict=True):
+                y[i] = result
+        return [*carry, *(_Stacked(tuple(y), eqn) for y in ys)]
+
+    def slice(self, x: Any, i: int, index: int, source: jc.JaxprEqn) -> Any:
+        if isinstance(x, _Stacked):
+            return x.parts[i]  # an earlier unrolled scan's iteration output: no stack, no slice
+        x = self.materialize(x)
+        aval = self.avals[x] if isinstance(x, int) else x.aval
+        slicer = _index_jaxpr(tuple(aval.shape), aval.dtype)
+        (part,) = self.inline(slicer.jaxpr, slicer.consts, [x, index], source=source)
+        return part
+
+
+# A scan is run per iteration when its body does a layer's work (a matrix product or a convolution)
+# and unrolling it stays small enough to analyse; other scans (a cumulative sum, a sampler's steps)
+# stay one opaque step with their internal peak as scratch.
+_LAYER_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
+MAX_UNROLLED_EQUATIONS = 200_000
+
+
+def _worth_unrolling(eqn: jc.JaxprEqn) -> bool:
+    body = eqn.params["jaxpr"].jaxpr
+    return int(eqn.params["length"]) * len(body.eqns) <= MAX_UNROLLED_EQUATIONS and _does_layer_work(body)
+
+
+def _does_layer_work(jaxpr: jc.Jaxpr) -> bool:
+    return any(
+        eqn.primitive.name in _LAYER_PRIMITIVES
+        or any(_does_layer_work(getattr(sub, "jaxpr", sub)) for _, sub in jc.sub_jaxprs(eqn.params))
+        for eqn in jaxpr.eqns
     )
+
+
+@functools.cache
+def _index_value(i: int) -> Any:
+    return jnp.asarray(i, jnp.int32)
+
+
+@functools.cache
+def _index_jaxpr(shape: tuple[int, ...], dtype: Any) -> jc.ClosedJaxpr:
+    """``xs[i]`` along the leading axis, ``i`` an operand."""
+    return jax.make_jaxpr(lambda xs, i: jax.lax.dynamic_index_in_dim(xs, i, 0, keepdims=False))(
+        jax.ShapeDtypeStruct(shape, dtype), jax.ShapeDtypeStruct((), jnp.int32)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _stack_jaxpr(avals: tuple[Any, ...]) -> jc.ClosedJaxpr:
+    return jax.make_jaxpr(lambda *parts: jnp.stack(parts))(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals))
 
 
 def _dot_general_flops(eqn: jc.JaxprEqn) -> int:
@@ -278,7 +399,7 @@ class _Analysis:
         key = id(jaxpr)
         if key not in self.bodies:
             closed = jaxpr if isinstance(jaxpr, jc.ClosedJaxpr) else jc.ClosedJaxpr(jaxpr, ())
-            flat = flatten(closed)
+            flat = flatten(closed, unroll=False)
             labels = [f"body argument {i}" for i in range(flat.num_inputs)]
             program = self.program(flat, input_labels=labels, donated=[False] * flat.num_inputs)
             boundary = {*range(flat.num_inputs), *(r for r in flat.outputs if isinstance(r, int))}
