@@ -19,7 +19,9 @@ DOT, SIN, SCALAR = 1024, 64, 1
 
 
 def steps_of(fun, *args):
-    flat = analyse.flatten(jax.make_jaxpr(fun)(*args))
+    # Scans stay whole here (a scan doing a layer's work is otherwise run per iteration): these
+    # are the rules for loops that run as one operation.
+    flat = analyse.flatten(jax.make_jaxpr(fun)(*args), unroll=False)
     labels = [str(i) for i in range(flat.num_inputs)]
     return analyse.to_program(flat, input_labels=labels, donated=[False] * flat.num_inputs).steps
 
