@@ -25,14 +25,13 @@ import sys
 import time
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import optax
 
 if __package__ in (None, ""):  # run as ``python benchmarks/loops.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
-from examples.models import Block
+from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit
 from oocjax.schedule import required_bytes
 from oocjax.transforms.trace import trace_step
@@ -40,47 +39,23 @@ from oocjax.transforms.trace import trace_step
 STYLES = ("loop", "remat loop", "scan", "scan(remat)")
 
 
-class _ScanBody(nn.Module):
-    @nn.compact
-    def __call__(self, x, _):
-        return Block(width=64, heads=4, causal=True, attention_bias=False)(x, False), None
-
-
-class Decoder(nn.Module):
-    layers: int
-    style: str
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(64, 64)(tokens)
-        if self.style.startswith("scan"):
-            body = nn.remat(_ScanBody) if "remat" in self.style else _ScanBody
-            blocks = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True}, length=self.layers)
-            x, _ = blocks()(x, None)
-        else:
-            block = nn.remat(Block, static_argnums=(2,)) if "remat" in self.style else Block
-            for _ in range(self.layers):
-                x = block(width=64, heads=4, causal=True, attention_bias=False)(x, False)
-        return nn.Dense(64)(x)
-
-
 def workload(layers: int, style: str):
-    model, optimizer = Decoder(layers, style), optax.adamw(1e-3, weight_decay=0.01)
-
-    def step(state, tokens):
-        params, opt_state = state
-
-        def loss_fn(p):
-            logits = model.apply(p, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
+    model = Transformer(
+        vocab=64,
+        width=64,
+        heads=4,
+        layers=layers,
+        causal=True,
+        attention_bias=False,
+        position_embedding=False,
+        final_norm=False,
+        scan=style.startswith("scan"),
+        remat="remat" in style,
+    )
+    optimizer = optax.adamw(1e-3, weight_decay=0.01)
     tokens = jax.random.randint(jax.random.key(1), (16, 65), 0, 64)
     params = model.init(jax.random.key(0), tokens[:, :-1])
-    return step, (params, optimizer.init(params)), tokens
+    return next_token_step(model, optimizer), (params, optimizer.init(params)), tokens
 
 
 def floor(step, state, tokens) -> tuple[int, int]:

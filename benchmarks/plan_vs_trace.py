@@ -31,27 +31,12 @@ from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_funct
 if __package__ in (None, ""):  # run as ``python benchmarks/plan_vs_trace.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
-from examples.models import Transformer
+from examples.models import Transformer, next_token_step
 
 
 def gpt(layers: int) -> Transformer:
     """The GPT-2-style decoder this benchmark plans: small in width, long in layers."""
     return Transformer(vocab=256, width=64, heads=4, layers=layers, causal=True)
-
-
-def make_step(model, optimizer):
-    def step(state, tokens):
-        params, opt_state = state
-
-        def loss_fn(p):
-            logits = model.apply(p, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
-    return step
 
 
 def best_of(repeats: int, fn) -> tuple[float, object]:
@@ -75,7 +60,7 @@ def main() -> None:
     params = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1])
     state = (params, jax.eval_shape(optimizer.init, params))
 
-    trace_s, traced = best_of(args.repeats, lambda: jax.jit(make_step(model, optimizer)).trace(state, tokens))
+    trace_s, traced = best_of(args.repeats, lambda: jax.jit(next_token_step(model, optimizer)).trace(state, tokens))
     labels = [f"leaf {i}" for i in range(len(jax.tree.leaves(state)) + 1)]
     donated = [False] * len(labels)
 

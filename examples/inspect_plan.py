@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from IPython.display import display
-from models import Block  # examples/models.py, the model zoo shared with the tests and benchmarks
+from models import Transformer, next_token_step  # examples/models.py: the zoo the tests and benchmarks use
 
 from oocjax import Plan, ooc_jit
 
@@ -117,37 +117,11 @@ Plan.from_json(plans[0.4].to_json(full=True))
 
 
 # %%
-class ScanBody(nn.Module):
-    @nn.compact
-    def __call__(self, x, _):
-        return Block(width=64, heads=4, causal=True, attention_bias=False)(x, False), None
-
-
-class ScanDecoder(nn.Module):
-    @nn.compact
-    def __call__(self, tokens):
-        blocks = nn.scan(nn.remat(ScanBody), variable_axes={"params": 0}, split_rngs={"params": True}, length=8)
-        x, _ = blocks()(nn.Embed(64, 64)(tokens), None)
-        return nn.Dense(64)(x)
-
-
-decoder, adamw = ScanDecoder(), optax.adamw(1e-3)
+decoder = Transformer(vocab=64, width=64, heads=4, layers=8, causal=True, scan=True, remat=True)
+adamw = optax.adamw(1e-3)
 tokens = jax.random.randint(jax.random.key(1), (16, 65), 0, 64)
 decoder_params = decoder.init(jax.random.key(0), tokens[:, :-1])
-
-
-def decoder_step(state, tokens):
-    params, opt_state = state
-
-    def loss_fn(p):
-        logits = decoder.apply(p, tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = adamw.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
-
-
+decoder_step = next_token_step(decoder, adamw)
 decoder_state = (decoder_params, adamw.init(decoder_params))
 decoder_in_core = ooc_jit(decoder_step, budget=2**62).plan(decoder_state, tokens).baseline_peak_bytes
 scanned = ooc_jit(decoder_step, budget=int(decoder_in_core * 0.35), min_offload_bytes=16 * 1024)

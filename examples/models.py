@@ -3,7 +3,8 @@
 - ``MLP``: dense layers with an activation, then a dense classifier.
 - ``CNN``: a plain stack of 3x3 convolutions with batch norm; ``ResNet``: ResNet-50-style bottleneck stages.
 - ``Transformer``: pre-norm ``Block``s over a token embedding: a GPT-2-style decoder with ``causal=True``,
-  a BERT-style encoder without.
+  a BERT-style encoder without; blocks in a loop or an ``nn.scan``, optionally remat'd. ``next_token_step``
+  is its training step.
 
 Sizes, the compute ``dtype`` and the optional parts (dropout, attention biases, the learned position
 embedding, the final norm) are fields, so that one definition serves a CPU-sized example, a test step
@@ -21,7 +22,9 @@ from functools import partial
 from typing import Any
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import optax
 
 
 class MLP(nn.Module):
@@ -123,8 +126,23 @@ class Block(nn.Module):
         return x + dropout()(nn.Dense(self.width, dtype=self.dtype)(nn.gelu(h)))
 
 
+class _ScannedBlock(nn.Module):
+    """A ``Block`` as a scan body: the residual stream is the carry."""
+
+    block: dict[str, Any]
+    train: bool
+
+    @nn.compact
+    def __call__(self, x, _):
+        return Block(**self.block)(x, self.train), None
+
+
 class Transformer(nn.Module):
-    """Token embedding (plus a learned position embedding), ``layers`` blocks, a final norm, ``vocab`` logits."""
+    """Token embedding (plus a learned position embedding), ``layers`` blocks, a final norm, ``vocab`` logits.
+
+    The blocks run as a Python loop, or with ``scan=True`` as ``nn.scan`` over one block with the
+    parameters stacked on a leading ``[layers, ...]`` axis (as large models are written, to keep
+    compile time flat in depth); ``remat=True`` wraps each block in ``nn.remat``."""
 
     vocab: int
     width: int
@@ -136,15 +154,49 @@ class Transformer(nn.Module):
     position_embedding: bool = True
     final_norm: bool = True
     dtype: Any = None
+    scan: bool = False
+    remat: bool = False
 
     @nn.compact
     def __call__(self, tokens, train: bool = True):
         x = nn.Embed(self.vocab, self.width, dtype=self.dtype)(tokens)
         if self.position_embedding:
             x = x + self.param("position", nn.initializers.normal(0.02), (tokens.shape[1], self.width))
-        for _ in range(self.layers):
-            block = Block(self.width, self.heads, self.causal, self.dropout_rate, self.attention_bias, self.dtype)
-            x = block(x, train)
+        block = dict(
+            width=self.width,
+            heads=self.heads,
+            causal=self.causal,
+            dropout_rate=self.dropout_rate,
+            attention_bias=self.attention_bias,
+            dtype=self.dtype,
+        )
+        if self.scan:
+            body = nn.remat(_ScannedBlock) if self.remat else _ScannedBlock
+            split = {"params": True, "dropout": True}
+            blocks = nn.scan(body, variable_axes={"params": 0}, split_rngs=split, length=self.layers)
+            x, _ = blocks(block, train)(x, None)
+        else:
+            layer = nn.remat(Block, static_argnums=(2,)) if self.remat else Block  # train is static
+            for _ in range(self.layers):
+                x = layer(**block)(x, train)
         if self.final_norm:
             x = nn.LayerNorm(dtype=self.dtype)(x)
         return nn.Dense(self.vocab, dtype=self.dtype)(x)
+
+
+def next_token_step(model: nn.Module, optimizer: Any) -> Callable:
+    """The training step of a language model: cross-entropy of each next token, one optimizer update.
+    ``step((params, opt_state), tokens) -> ((params, opt_state), loss)``, tokens ``[batch, seq + 1]``."""
+
+    def step(state, tokens):
+        params, opt_state = state
+
+        def loss_fn(p):
+            logits = model.apply(p, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    return step

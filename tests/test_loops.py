@@ -2,65 +2,25 @@
 iteration, the residuals the forward scan stacks for the backward stay per-iteration arrays (each can
 move to host and back), and the step trains as jax.jit trains it."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from examples.models import Block
+from examples.models import Transformer, next_token_step
 from oocjax import BudgetInfeasibleError, ooc_jit, to_device
 from oocjax.transforms import analyse
 from tests.test_ooc_jit_reference import FLOAT32_TOLERANCE, device_bytes_at_each_boundary, fresh
 
 
-class ScannedBlock(nn.Module):
-    """A transformer block as a scan body: the residual stream is the carry."""
-
-    width: int
-    heads: int
-
-    @nn.compact
-    def __call__(self, x, _):
-        return Block(width=self.width, heads=self.heads, causal=True, attention_bias=False)(x, False), None
-
-
-class ScanDecoder(nn.Module):
-    """``nn.scan(nn.remat(block))`` over ``layers``, parameters stacked on a leading axis."""
-
-    layers: int = 6
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(64, 64)(tokens)
-        blocks = nn.scan(
-            nn.remat(ScannedBlock),
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            length=self.layers,
-        )
-        x, _ = blocks(width=64, heads=4)(x, None)
-        return nn.Dense(64)(x)
-
-
 def decoder_step():
-    model, optimizer = ScanDecoder(), optax.adamw(1e-3, weight_decay=0.01)
-
-    def step(state, tokens):
-        params, opt_state = state
-
-        def loss_fn(p):
-            logits = model.apply(p, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
+    """``nn.scan(nn.remat(block))`` over 6 layers, parameters stacked on a leading axis, AdamW."""
+    model = Transformer(vocab=64, width=64, heads=4, layers=6, causal=True, attention_bias=False, scan=True, remat=True)
+    optimizer = optax.adamw(1e-3, weight_decay=0.01)
     tokens = jax.random.randint(jax.random.key(1), (16, 65), 0, 64)
     params = model.init(jax.random.key(0), tokens[:, :-1])
-    return step, (params, optimizer.init(params)), tokens
+    return next_token_step(model, optimizer), (params, optimizer.init(params)), tokens
 
 
 def scanned_mlp_loss(w, x, reverse=False):

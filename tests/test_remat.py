@@ -1,63 +1,39 @@
 """Remat (checkpoint) blocks are planned through: their equations are steps of the program, so a
 model of remat blocks fits the budgets a model without remat fits, and trains as jax.jit trains it."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from examples.models import Block
+from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_device
 from tests.test_ooc_jit_reference import FLOAT32_TOLERANCE, device_bytes_at_each_boundary, fresh
 
 
-class RematDecoder(nn.Module):
-    """Embedding, ``layers`` remat'd transformer blocks in a Python loop, and a readout."""
-
-    layers: int = 4
-    remat: bool = True
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(64, 64)(tokens)
-        block = nn.remat(Block, static_argnums=(2,)) if self.remat else Block  # train is static
-        for _ in range(self.layers):
-            x = block(width=64, heads=4, causal=True, attention_bias=False)(x, False)
-        return nn.Dense(64)(x)
-
-
-def adamw_step(model):
+def adamw_step(remat=True):
+    """A 4-layer decoder whose blocks run in a Python loop, each in ``nn.remat`` (or not)."""
+    model = Transformer(
+        vocab=64, width=64, heads=4, layers=4, causal=True, attention_bias=False, position_embedding=False, remat=remat
+    )
     optimizer = optax.adamw(1e-3, weight_decay=0.01)
-
-    def step(state, tokens):
-        params, opt_state = state
-
-        def loss_fn(p):
-            logits = model.apply(p, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
     tokens = jax.random.randint(jax.random.key(1), (16, 65), 0, 64)
     params = model.init(jax.random.key(0), tokens[:, :-1])
-    return step, (params, optimizer.init(params)), tokens
+    return next_token_step(model, optimizer), (params, optimizer.init(params)), tokens
 
 
 def test_a_remat_block_is_planned_through_not_held_as_one_operation():
-    step, state, tokens = adamw_step(RematDecoder())
+    step, state, tokens = adamw_step()
     plan = ooc_jit(step, budget=2**62).plan(state, tokens)
     assert "remat2" not in {s.name for s in plan.program.steps}
     # The recomputation stays: the remat'd step has more equations than the same model without remat.
-    plain_step, plain_state, _ = adamw_step(RematDecoder(remat=False))
+    plain_step, plain_state, _ = adamw_step(remat=False)
     plain = ooc_jit(plain_step, budget=2**62).plan(plain_state, tokens)
     assert len(plan.program.steps) > len(plain.program.steps)
 
 
 def test_a_decoder_of_remat_blocks_trains_like_jax_jit_at_35_percent_within_the_budget():
-    step, state, tokens = adamw_step(RematDecoder())
+    step, state, tokens = adamw_step()
     budget = int(ooc_jit(step, budget=2**62).plan(state, tokens).baseline_peak_bytes * 0.35)
     ooc = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096)
     plan = ooc.plan(state, tokens)
