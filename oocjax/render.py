@@ -17,28 +17,38 @@ if TYPE_CHECKING:
 
 def summary(plan: Plan, profile: DeviceProfile | str | None = None, *, largest: int = 10) -> str:
     """The plan as a text report: memory, traffic, the largest moves, and the timed simulation."""
-    timeline, program = plan.timeline, plan.program
+    device = f" for {plan.device}" if plan.device else ""
+    lines = [f"oocjax plan{device} ({plan.schedule.strategy}, {len(plan.program.steps)} equations)"]
+    lines += [f"  {name:<13} {value}" for name, value in _summary_rows(plan)]
+    lines += _largest_moves(plan, largest)
+    if profile is not None:
+        lines += _timed_simulation(plan, resolve_profile(profile))
+    return "\n".join(lines)
+
+
+def _summary_rows(plan: Plan) -> list[tuple[str, str]]:
+    timeline, steps = plan.timeline, plan.program.steps
     peak_at = (
         ""
         if timeline.peak_step is None
-        else f" at equation {timeline.peak_step} ({program.steps[timeline.peak_step].describe()})"
+        else f" at equation {timeline.peak_step} ({steps[timeline.peak_step].describe()})"
     )
-    host_inputs = sum(h.nbytes for h in plan.host_inputs)
     rows = [
         ("budget", format_bytes(plan.budget_bytes)),
         ("in-core peak", format_bytes(plan.baseline_peak_bytes)),
         ("planned peak", format_bytes(plan.peak_bytes) + peak_at),
-        *(
-            [
-                (
-                    "executed peak",
-                    f"{format_bytes(plan.executed_peak_bytes)} in {counted(len(plan.segments), 'segment')} "
-                    f"(measured from the compiled segments; planned for {format_bytes(plan.schedule.budget_bytes)})",
-                )
-            ]
-            if plan.executed_peak_bytes is not None
-            else []
-        ),
+    ]
+    if plan.executed_peak_bytes is not None:
+        measured = f"{format_bytes(plan.executed_peak_bytes)} in {counted(len(plan.segments), 'segment')} "
+        rows.append(
+            (
+                "executed peak",
+                measured
+                + f"(measured from the compiled segments; planned for {format_bytes(plan.schedule.budget_bytes)})",
+            )
+        )
+    host_inputs = sum(h.nbytes for h in plan.host_inputs)
+    rows += [
         ("to host", f"{format_bytes(timeline.d2h_bytes)} in {len(plan.offloads)} offloads"),
         ("to device", f"{format_bytes(timeline.h2d_bytes)} in {len(plan.schedule.prefetches)} prefetches"),
         ("host peak", format_bytes(plan.host_peak_bytes)),
@@ -48,37 +58,35 @@ def summary(plan: Plan, profile: DeviceProfile | str | None = None, *, largest: 
             f"{counted(len(plan.host_outputs), 'result')}",
         ),
     ]
-    device = f" for {plan.device}" if plan.device else ""
-    if plan.loops:
-        rows.append(("loops", _loops(plan.loops)))
-    lines = [f"oocjax plan{device} ({plan.schedule.strategy}, {len(program.steps)} equations)"]
-    lines += [f"  {name:<13} {value}" for name, value in rows]
+    return rows + ([("loops", _loops(plan.loops))] if plan.loops else [])
 
+
+def _largest_moves(plan: Plan, largest: int) -> list[str]:
     moves = _move_rows(plan)
-    if moves:
-        shown = sorted(moves, key=lambda row: -row[1])[:largest]
-        lines += ["", f"Largest moves ({len(shown)} of {len(moves)}):"]
-        table = [("size", "out after", "back before", "distance", "value")]
-        table += [(format_bytes(n), out, back, dist, label) for label, n, out, back, dist in shown]
-        widths = [max(len(row[i]) for row in table) for i in range(4)]
-        for row in table:
-            cells = [row[i].rjust(widths[i]) for i in range(4)]
-            lines.append("  " + "  ".join(cells) + "  " + row[4])
+    if not moves:
+        return []
+    shown = sorted(moves, key=lambda row: -row[1])[:largest]
+    lines = ["", f"Largest moves ({len(shown)} of {len(moves)}):"]
+    table = [("size", "out after", "back before", "distance", "value")]
+    table += [(format_bytes(n), out, back, dist, label) for label, n, out, back, dist in shown]
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    for row in table:
+        lines.append("  " + "  ".join(row[i].rjust(widths[i]) for i in range(4)) + "  " + row[4])
+    return lines
 
-    if profile is not None:
-        model = resolve_profile(profile)
-        timed = simulate_time(program, plan.schedule, model)
-        planned_on = f"; this plan is for {plan.device}" if plan.device else ""
-        lines += [
-            "",
-            f"Timed simulation on {model.name}, a model of that device, not a measurement{planned_on} "
-            f"({model.flops_per_s / 1e12:g} TFLOP/s sustained, "
-            f"host link {model.h2d_bytes_per_s / 1e9:g} GB/s in, {model.d2h_bytes_per_s / 1e9:g} GB/s out):",
-            f"  step time     {_seconds(timed.step_time_s)} = compute {_seconds(timed.compute_time_s)}"
-            f" + exposed transfers {_seconds(timed.exposed_transfer_s)}",
-            f"  lower bound   {_seconds(timed.lower_bound_s)} (max of compute and each link's traffic)",
-        ]
-    return "\n".join(lines)
+
+def _timed_simulation(plan: Plan, model: DeviceProfile) -> list[str]:
+    timed = simulate_time(plan.program, plan.schedule, model)
+    planned_on = f"; this plan is for {plan.device}" if plan.device else ""
+    return [
+        "",
+        f"Timed simulation on {model.name}, a model of that device, not a measurement{planned_on} "
+        f"({model.flops_per_s / 1e12:g} TFLOP/s sustained, "
+        f"host link {model.h2d_bytes_per_s / 1e9:g} GB/s in, {model.d2h_bytes_per_s / 1e9:g} GB/s out):",
+        f"  step time     {_seconds(timed.step_time_s)} = compute {_seconds(timed.compute_time_s)}"
+        f" + exposed transfers {_seconds(timed.exposed_transfer_s)}",
+        f"  lower bound   {_seconds(timed.lower_bound_s)} (max of compute and each link's traffic)",
+    ]
 
 
 def _loops(loops) -> str:
