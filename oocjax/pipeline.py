@@ -108,18 +108,17 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
     while True:
         schedule = _plan(program, planned_for, budget_bytes, options, history, worst_text)
         input_kinds = tuple("pinned_host" if b in schedule.host_inputs else "device" for b in range(flat.num_inputs))
-        if schedule.moves_nothing and options.min_segments <= 1:
-            plan = Plan.build(
-                program=program,
-                schedule=schedule,
-                jaxpr=traced.jaxpr,
-                source_jaxpr=traced.jaxpr,
-                input_kinds=input_kinds,
-                device=device,
-                headroom_bytes=options.headroom_bytes,
-                loops=flat.loops,
-            )
-            return BuiltStep(plan, None, input_kinds)
+        described = dict(
+            schedule=schedule,
+            source_jaxpr=traced.jaxpr,
+            budget_bytes=user_budget,
+            headroom_bytes=options.headroom_bytes,
+            loops=flat.loops,
+            input_kinds=input_kinds,
+            device=device,
+        )
+        if schedule.moves_nothing and options.min_segments <= 1:  # jax.jit's own program
+            return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None, input_kinds)
         segments = cut_segments(
             program,
             schedule,
@@ -142,18 +141,12 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
         program = with_measured_scratch(program, segments, costs, budget_bytes)
     plan = Plan.build(
         program=program,
-        schedule=schedule,
         jaxpr=chain,
-        source_jaxpr=traced.jaxpr,
-        budget_bytes=user_budget,
-        headroom_bytes=options.headroom_bytes,
-        loops=flat.loops,
         segments=segments,
         segment_costs=tuple(costs),
         executed_peak_bytes=peak,
         attempts=tuple(measured for _, measured in history),
-        input_kinds=input_kinds,
-        device=device,
+        **described,
     )
     return BuiltStep(plan, ChainExecutor(chain, programs, costs, budget_bytes), input_kinds, tuple(functions))
 
