@@ -126,6 +126,7 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
             min_segment_flops=options.min_segment_flops,
             min_segments=options.min_segments,
         )
+        _refuse_tokens_between(segments, traced.flat.avals)
         functions, chain = _chain(traced, program, schedule, segments, input_kinds)
         programs, costs = compile_segments(chain, functions, compiled)
         peak, worst = executed_peak(segments, costs)
@@ -149,6 +150,18 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
         **described,
     )
     return BuiltStep(plan, ChainExecutor(chain, programs, costs, budget_bytes), input_kinds, tuple(functions))
+
+
+def _refuse_tokens_between(segments: tuple[Segment, ...], avals: tuple) -> None:
+    """Tokens order effects inside one program; separately compiled segments cannot pass them on."""
+    crossing = sorted({b for s in segments for b in (*s.inputs, *s.outputs) if not hasattr(avals[b], "shape")})
+    if crossing:
+        raise OocError(
+            f"a token value (from jax.lax.create_token or after_all; buffers {crossing}) lives across the separately "
+            "compiled segments this plan cuts the step into, and tokens cannot be passed between programs.\n"
+            "Fixes:\n  1. create and use each token within a small part of the step;\n"
+            "  2. raise the budget to the in-core estimate, where the step runs as jax.jit's one program."
+        )
 
 
 def _chain(traced: TracedStep, program: Program, schedule: Any, segments: tuple, input_kinds: tuple) -> tuple:
