@@ -112,6 +112,7 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
             schedule=schedule,
             source_jaxpr=traced.jaxpr,
             budget_bytes=user_budget,
+            in_core_program=traced.program,
             headroom_bytes=options.headroom_bytes,
             loops=flat.loops,
             input_kinds=input_kinds,

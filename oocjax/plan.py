@@ -107,11 +107,14 @@ class Plan:
         jaxpr: Any,
         source_jaxpr: Any,
         budget_bytes: int | None = None,
+        in_core_program: Program | None = None,
         **measured: Any,
     ) -> Plan:
         """The plan of ``schedule`` for ``program``, simulated; ``measured`` sets the fields that
         come from tracing, compiling and running it (``segments``, ``segment_costs``,
-        ``executed_peak_bytes``, ``attempts``, ``input_kinds``, ``headroom_bytes``, ``loops``, ``device``)."""
+        ``executed_peak_bytes``, ``attempts``, ``input_kinds``, ``headroom_bytes``, ``loops``, ``device``).
+        ``in_core_program`` is the step as traced, where ``program`` has learnt measured scratch:
+        the in-core estimate stays that of the step, whatever the plans made on the way."""
         timeline = simulate(program, schedule)
         fetches = {b: [p.issue_step for p in ps] for b, ps in schedule.prefetches_by_buffer.items()}
         buffers = program.buffers
@@ -128,7 +131,8 @@ class Plan:
             HostInputInfo(label=buffers[b].label, nbytes=buffers[b].nbytes, prefetch_before=tuple(fetches.get(b, ())))
             for b in sorted(schedule.host_inputs)
         )
-        baseline = simulate(program, keep_all(program))
+        traced = program if in_core_program is None else in_core_program
+        baseline = simulate(traced, keep_all(traced))
         return cls(
             budget_bytes=schedule.budget_bytes if budget_bytes is None else budget_bytes,
             peak_bytes=timeline.peak_bytes,

@@ -264,6 +264,7 @@ def test_a_segment_measured_over_the_budget_is_planned_again_with_its_real_scrat
     plan = step.plan(PARAMS, X)
     assert len(plan.attempts) > 1 and plan.attempts[0] > plan.budget_bytes
     assert plan.executed_peak_bytes == plan.attempts[-1] <= plan.budget_bytes
+    assert plan.baseline_peak_bytes == in_core  # the in-core estimate is the step's, not the re-planned program's
     assert "executed peak" in plan.summary(profile=None)
     assert_same_results(step(PARAMS, X), jax.jit(mlp_step)(PARAMS, X))
 
