@@ -303,3 +303,17 @@ def test_a_flax_scan_is_labelled_with_the_users_line_not_flaxs_own_file():
     plan = ooc_jit(jax.grad(model.apply), budget=2**62).plan(params, x)
     assert plan.loops and all(loop.label.startswith("test_views.py:") for loop in plan.loops), plan.loops
     assert all(s.label.startswith(("test_views.py:", "")) and "axes_scan" not in s.label for s in plan.program.steps)
+
+
+def test_a_profiler_trace_names_each_transfer_for_the_value_it_moves(tmp_path):
+    plan = wide_plan()
+    step = ooc_jit(wide_mlp_step, budget=plan.budget_bytes, min_offload_bytes=1024)
+    step(WIDE_PARAMS, WIDE_X)  # compiled outside the trace
+    with jax.profiler.trace(str(tmp_path)):
+        jax.block_until_ready(step(WIDE_PARAMS, WIDE_X))
+    traces = list(tmp_path.rglob("*.xplane.pb"))
+    assert traces
+    recorded = b"".join(t.read_bytes() for t in traces)
+    offloaded = plan.offloads[0].label.replace("/", "|")
+    assert f"oocjax.offload({offloaded})".encode() in recorded
+    assert b"oocjax.prefetch(" in recorded

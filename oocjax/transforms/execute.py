@@ -336,9 +336,12 @@ class ChainExecutor:
                 to_host = eqn.params["devices"][0] == jax.memory.Space.Host
                 if not to_host:
                     memory.make_room(invals[0].nbytes)
-                outvals = [jax.device_put(invals[0], self.host if to_host else self.device)]
+                # Named as in the chain (``oocjax.offload(<value>)``): a profiler trace says what moves.
+                with jax.profiler.TraceAnnotation(str(eqn.source_info.name_stack)):
+                    outvals = [jax.device_put(invals[0], self.host if to_host else self.device)]
             elif eqn.primitive is jc.wait_p:
-                outvals = [invals[0].block_until_ready()]
+                with jax.profiler.TraceAnnotation(str(eqn.source_info.name_stack)):
+                    outvals = [invals[0].block_until_ready()]
             else:
                 raise AssertionError(f"a chain holds segments, transfers and waits only, not {eqn.primitive}")
             for v, x in zip(eqn.outvars, outvals, strict=True):
