@@ -201,27 +201,9 @@ def run_step(config: dict) -> dict:
                 )
             }
         phase = "steps"
-        caught = warnings_module.catch_warnings(record=True)
-        replan_warnings = caught.__enter__()
-        warnings_module.simplefilter("always")
-        losses, times = [], []
-        for i in range(config["loss_steps"]):  # the first one compiles (ooc_jit) or warms up
-            started = time.perf_counter()
-            with _sampled(strategy, i, device, record):
-                state, loss = step(state, batch)
-            losses.append(float(loss))
-            times.append(time.perf_counter() - started)
-        record |= dict(losses=losses, first_step_s=times[0])
-        times = []
-        for _ in range(config["timed_steps"]):
-            started = time.perf_counter()
-            state, loss = step(state, batch)
-            jax.block_until_ready((state, loss))
-            times.append(time.perf_counter() - started)
-        record |= dict(step_s=times, s_per_step=statistics.median(times), final_loss=float(loss))
-        record["finite"] = all(math.isfinite(x) for x in [*losses, record["final_loss"]])
-        record["runtime_peak_bytes"] = _memory_stat(device, "peak_bytes_in_use")  # the synced step's is apart
-        caught.__exit__(None, None, None)
+        with warnings_module.catch_warnings(record=True) as replan_warnings:  # ooc_jit warns when it plans again
+            warnings_module.simplefilter("always")
+            state = _run_steps(step, state, batch, strategy, device, config, record)
         record["warnings"] = [str(w.message)[:400] for w in replan_warnings][:5]
         if strategy == "ooc_jit":
             final = step.plan(state, batch)  # a call measured over the budget plans again: the plan in use now
@@ -234,12 +216,36 @@ def run_step(config: dict) -> dict:
             )
             phase = "synced step"
             with _synced(device, record, "synced_last_step"):
-                state, loss = step(state, batch)
+                jax.block_until_ready(step(state, batch))
     except Exception as error:  # recorded: the expected OOM, and any failure, are results
         text = f"{type(error).__name__}: {error}"
         record |= dict(error=text[:3000], phase=phase, oom=is_oom(text))
     record.setdefault("runtime_peak_bytes", _memory_stat(device, "peak_bytes_in_use"))
     return record
+
+
+def _run_steps(step, state, batch, strategy: str, device, config: dict, record: dict):
+    """The loss steps (the first compiles or warms up), then the timed ones; the state after."""
+    import jax
+
+    losses, times = [], []
+    for i in range(config["loss_steps"]):
+        started = time.perf_counter()
+        with _sampled(strategy, i, device, record):
+            state, loss = step(state, batch)
+        losses.append(float(loss))
+        times.append(time.perf_counter() - started)
+    record |= dict(losses=losses, first_step_s=times[0])
+    times = []
+    for _ in range(config["timed_steps"]):
+        started = time.perf_counter()
+        state, loss = step(state, batch)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - started)
+    record |= dict(step_s=times, s_per_step=statistics.median(times), final_loss=float(loss))
+    record["finite"] = all(math.isfinite(x) for x in [*losses, record["final_loss"]])
+    record["runtime_peak_bytes"] = _memory_stat(device, "peak_bytes_in_use")  # the synced step's is apart
+    return state
 
 
 def _sampled(strategy: str, step: int, device, record: dict):
