@@ -8,7 +8,7 @@ import optax
 
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_device
-from tests.test_ooc_jit_reference import FLOAT32_TOLERANCE, device_bytes_at_each_boundary, fresh
+from tests.test_loops import trains_like_jax_jit_within
 
 
 def adamw_step(remat=True):
@@ -34,18 +34,7 @@ def test_a_remat_block_is_planned_through_not_held_as_one_operation():
 
 def test_a_decoder_of_remat_blocks_trains_like_jax_jit_at_35_percent_within_the_budget():
     step, state, tokens = adamw_step()
-    budget = int(ooc_jit(step, budget=2**62).plan(state, tokens).baseline_peak_bytes * 0.35)
-    ooc = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096)
-    plan = ooc.plan(state, tokens)
-    assert plan.executed_peak_bytes <= budget and plan.segments
-    expected_state, ooc_state = state, fresh(state)
-    for _ in range(3):
-        expected_state, expected_loss = jax.jit(step)(expected_state, tokens)
-        (ooc_state, loss), samples = device_bytes_at_each_boundary(ooc, ooc_state, tokens)
-        assert all(held + launch <= budget for held, launch in samples)
-        np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
-    for actual, expected in zip(jax.tree.leaves(to_device(ooc_state)), jax.tree.leaves(expected_state)):
-        np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), **FLOAT32_TOLERANCE)
+    trains_like_jax_jit_within(step, state, tokens, 0.35)
 
 
 def test_gradients_through_remat_blocks_equal_the_reference_at_a_budget_that_moves_values():
