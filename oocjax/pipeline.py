@@ -18,7 +18,7 @@ import jax
 from oocjax.budget import resolve_bytes
 from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.plan import Plan
-from oocjax.schedule import Program, format_bytes, plan_window, required_bytes
+from oocjax.schedule import MiB, Program, format_bytes, plan_window, required_bytes
 from oocjax.schedule.segments import Segment, SegmentCost, cut_segments, executed_peak, with_measured_scratch
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.execute import ChainExecutor, compile_segments
@@ -49,7 +49,7 @@ class PlannerOptions:
     """How ``ooc_jit`` plans; see its docstring. ``None`` means the default for the budget/device."""
 
     window_bytes: int | None = None
-    min_offload_bytes: int = 2**20  # 1 MiB
+    min_offload_bytes: int = MiB
     min_segment_flops: int = 10**11
     min_segments: int = 1
     headroom_bytes: int = 0
