@@ -226,6 +226,61 @@ def pretty_jaxpr(plan: Plan, *, full: bool = False) -> str:
 
 
 def _chain_lines(plan: Plan) -> list[str]:
+    """One block per segment; a run of blocks that repeats (a loop's iterations, or layers alike)
+    is shown once, with how many more times it runs."""
+    blocks = _segment_blocks(plan)
+    kinds = _segment_kinds(plan)
+    lines, i = [], 0
+    while i < len(blocks):
+        period, copies = _repetition(kinds, i)
+        for block in blocks[i : i + period]:
+            lines += block
+        if copies > 1:
+            first, last = i + period, i + period * copies - 1
+            moved = sum(
+                plan.program.buffers[b].nbytes
+                for segment in plan.segments[first : last + 1]
+                for b in (*segment.prefetches, *segment.offloads)
+            )
+            lines.append(
+                f"... segments {first}..{last}: the same {counted(period, 'segment')} {copies - 1} more times "
+                f"(same programs and transfers), moving {format_bytes(moved)}"
+            )
+        i += period * copies
+    return lines
+
+
+MIN_COPIES, MAX_PERIOD = 3, 64  # a run of blocks shown once when it repeats at least this often
+
+
+def _repetition(kinds: list, i: int) -> tuple[int, int]:
+    """(period, copies) of the shortest run of blocks starting at ``i`` that repeats at least
+    ``MIN_COPIES`` times back to back; (1, 1) where none does."""
+    for period in range(1, min(MAX_PERIOD, (len(kinds) - i) // MIN_COPIES) + 1):
+        run = kinds[i : i + period]
+        copies = 1
+        while kinds[i + copies * period : i + (copies + 1) * period] == run:
+            copies += 1
+        if copies >= MIN_COPIES:
+            return period, copies
+    return 1, 1
+
+
+def _segment_kinds(plan: Plan) -> list[tuple]:
+    """Per segment, what makes two alike: its compiled program and what it moves (labels, sizes)."""
+    programs = [str(e.params["jaxpr"].jaxpr) for e in plan.jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
+    buffers = plan.program.buffers
+
+    def moved(bs: tuple[int, ...]) -> tuple:
+        return tuple((buffers[b].label, buffers[b].nbytes) for b in bs)
+
+    return [
+        (program, moved(s.waits), moved(s.prefetches), moved(s.offloads))
+        for program, s in zip(programs, plan.segments, strict=True)
+    ]
+
+
+def _segment_blocks(plan: Plan) -> list[list[str]]:
     buffers, steps = plan.program.buffers, plan.program.steps
     uses = {b: [p.use_step for p in fetches] for b, fetches in plan.schedule.prefetches_by_buffer.items()}
 
@@ -240,10 +295,10 @@ def _chain_lines(plan: Plan) -> list[str]:
         served = [u for u in uses.get(b, ()) if u >= start]
         return f"read at equation {min(served)}" if served else "read in this segment"
 
-    lines = []
+    blocks = []
     costs = plan.segment_costs or (None,) * len(plan.segments)
     for i, (segment, cost) in enumerate(zip(plan.segments, costs)):
-        lines += [f"  wait  {value(b)}: its offload must end before its device memory is reused" for b in segment.waits]
+        lines = [f"  wait  {value(b)}: its offload must end before its device memory is reused" for b in segment.waits]
         lines += [f"  >>>   prefetch {value(b)}: {prefetch(b, segment.start)}" for b in segment.prefetches]
         where = list(dict.fromkeys(s.label for s in steps[segment.start : segment.stop] if s.label))
         measured = "" if cost is None else f", scratch {format_bytes(cost.temp_bytes)}"
@@ -252,4 +307,5 @@ def _chain_lines(plan: Plan) -> list[str]:
             f"at launch{measured}" + (f"  [{', '.join(where[:3])}{', ...' if len(where) > 3 else ''}]" if where else "")
         )
         lines += [f"  <<<   offload {value(b)}: {offload(b, segment.stop - 1)}" for b in segment.offloads]
-    return lines
+        blocks.append(lines)
+    return blocks

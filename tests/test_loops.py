@@ -2,6 +2,8 @@
 iteration, the residuals the forward scan stacks for the backward stay per-iteration arrays (each can
 move to host and back), and the step trains as jax.jit trains it."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,3 +125,16 @@ def test_the_smallest_feasible_budget_of_a_scan_run_per_iteration_is_below_the_w
     monkeypatch.setattr(analyse, "MAX_UNROLLED_EQUATIONS", 0)  # every scan runs whole
     whole = smallest_feasible_budget(scanned_mlp_step, W, X)
     assert per_iteration < whole / 2, (per_iteration, whole)
+
+
+def test_the_pretty_view_shows_iterations_alike_once_with_how_many_more_times_they_run():
+    in_core = ooc_jit(scanned_mlp_step, budget=2**62).plan(W, X).baseline_peak_bytes
+    plan = ooc_jit(scanned_mlp_step, budget=int(in_core * 0.35), min_offload_bytes=4096).plan(W, X)
+    lines = plan.pretty_jaxpr().splitlines()
+    repeats = [
+        line for line in lines if re.match(r"\.\.\. segments \d+\.\.\d+: the same \d+ segments? \d+ more times", line)
+    ]
+    assert repeats
+    shown = [line for line in lines if line.startswith("segment ")]
+    hidden = sum(int(b) - int(a) + 1 for a, b in (re.search(r"segments (\d+)\.\.(\d+)", r).groups() for r in repeats))
+    assert len(shown) + hidden == len(plan.segments) and hidden > len(plan.segments) // 4
