@@ -23,6 +23,7 @@ class ArgumentSpec:
     static_argnums: tuple[int, ...]
     static_argnames: tuple[str, ...]
     donate_argnums: tuple[int, ...]
+    parameters: tuple[str, ...]  # the function's positional parameter names, read once (not per call)
 
     @classmethod
     def of(cls, fun: Callable, static_argnums: Any, static_argnames: Any, donate_argnums: Any) -> ArgumentSpec:
@@ -31,7 +32,8 @@ class ArgumentSpec:
         names = parameter_names(fun)
         nums = set(argnums) | {names.index(n) for n in argnames if n in names}
         all_names = set(argnames) | {names[i] for i in argnums if 0 <= i < len(names)}
-        return cls(fun, tuple(sorted(nums)), tuple(sorted(all_names)), _int_tuple("donate_argnums", donate_argnums))
+        donate = _int_tuple("donate_argnums", donate_argnums)
+        return cls(fun, tuple(sorted(nums)), tuple(sorted(all_names)), donate, tuple(names))
 
     @property
     def jit_kwargs(self) -> dict[str, Any]:
@@ -42,7 +44,7 @@ class ArgumentSpec:
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
         """What a compiled step is cached under: static values (by name where the function names
         them, so ``f(x, 3)`` and ``f(x, n=3)`` share one plan), the dynamic tree and its types."""
-        names = parameter_names(self.fun)
+        names = self.parameters
         statics = {names[i] if i < len(names) else i: args[i] for i in self.static_argnums if i < len(args)}
         statics |= {k: v for k, v in kwargs.items() if k in self.static_argnames}
         key = tuple(sorted(statics.items(), key=lambda item: str(item[0])))
@@ -55,21 +57,26 @@ class ArgumentSpec:
                 f"{_name(self.fun)} is {type(dict(key)[unhashable]).__name__}, which cannot be hashed ({error}). "
                 "Pass it as a dynamic argument, or make it hashable (a tuple instead of a list, say)."
             ) from None
-        dynamic = self.dynamic(args, kwargs)
-        leaves = jax.tree.flatten_with_path(dynamic)[0]
-        return key, jax.tree.structure(dynamic), tuple(self._abstract(p, x, len(args)) for p, x in leaves)
-
-    def _abstract(self, path: tuple, x: Any, num_args: int) -> tuple:
+        leaves, tree = jax.tree.flatten(self.dynamic(args, kwargs))  # every call: no paths unless needed
         try:
-            return abstract(x)
+            return key, tree, tuple(abstract(x) for x in leaves)
         except TypeError:
-            raise TypeError(
-                f"Error interpreting argument to {_name(self.fun)} as an abstract array. The problematic value is of "
-                f"type {type(x).__name__} and was passed to the function at path {self.label(path, num_args)}.\n"
-                "This typically means that a function wrapped by ooc_jit (as by jax.jit) was called with a "
-                "non-array argument, and this argument was not marked as static using static_argnums or "
-                "static_argnames."
-            ) from None
+            self._refuse_non_array(args, kwargs)
+            raise
+
+    def _refuse_non_array(self, args: tuple, kwargs: dict) -> None:
+        """Raises jax.jit's error for the first leaf that is not an array, named by its path."""
+        for path, x in jax.tree.flatten_with_path(self.dynamic(args, kwargs))[0]:
+            try:
+                abstract(x)
+            except TypeError:
+                raise TypeError(
+                    f"Error interpreting argument to {_name(self.fun)} as an abstract array. The problematic value is "
+                    f"of type {type(x).__name__} and was passed to the function at path {self.label(path, len(args))}."
+                    "\nThis typically means that a function wrapped by ooc_jit (as by jax.jit) was called with a "
+                    "non-array argument, and this argument was not marked as static using static_argnums or "
+                    "static_argnames."
+                ) from None
 
     def dynamic(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         dynamic_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
@@ -94,7 +101,7 @@ class ArgumentSpec:
         if group.idx == 1:  # keyword arguments
             return f"{first.key}{jax.tree_util.keystr(rest)}"
         position = [i for i in range(num_args) if i not in self.static_argnums][first.idx]
-        names = parameter_names(self.fun)
+        names = self.parameters
         name = names[position] if position < len(names) else f"args[{position}]"
         return f"{name}{jax.tree_util.keystr(rest)}"
 
