@@ -128,20 +128,21 @@ def _cost(compiled: Any) -> SegmentCost:
     )
 
 
-def allocator_reader(device: jax.Device) -> Callable[[], int | None] | None:
-    """A function reading the bytes ``device``'s allocator has in use; None where the device
-    reports no memory statistics (a CPU)."""
-    if "bytes_in_use" not in (device.memory_stats() or {}):
+def _stat_reader(device: jax.Device, stat: str) -> Callable[[], int | None] | None:
+    """A function reading one of ``device``'s allocator statistics; None where it reports none (a CPU)."""
+    if stat not in (device.memory_stats() or {}):
         return None
-    return lambda: (device.memory_stats() or {}).get("bytes_in_use")
+    return lambda: (device.memory_stats() or {}).get(stat)
+
+
+def allocator_reader(device: jax.Device) -> Callable[[], int | None] | None:
+    """The bytes ``device``'s allocator has in use now."""
+    return _stat_reader(device, "bytes_in_use")
 
 
 def peak_reader(device: jax.Device) -> Callable[[], int | None] | None:
-    """A function reading the most bytes ``device``'s allocator has had in use in this process
-    (fragmentation included); None where the device reports none."""
-    if "peak_bytes_in_use" not in (device.memory_stats() or {}):
-        return None
-    return lambda: (device.memory_stats() or {}).get("peak_bytes_in_use")
+    """The most bytes ``device``'s allocator has had in use in this process (fragmentation included)."""
+    return _stat_reader(device, "peak_bytes_in_use")
 
 
 class _DeviceMemory:
