@@ -1,12 +1,12 @@
 """Properties of the window planner over random programs (a few hundred each, derandomized)."""
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 from oocjax.errors import BudgetInfeasibleError
-from oocjax.schedule import keep_all, plan_window, required_bytes, simulate, validate
-from tests.programs import programs
+from oocjax.schedule import Offload, Prefetch, Program, keep_all, plan_window, required_bytes, simulate, validate
+from tests.programs import MiB, programs
 
 
 def in_core_peak(program) -> int:
@@ -17,7 +17,18 @@ def smallest_feasible(program) -> int:
     return max(required_bytes(program), default=0)
 
 
+def an_offloaded_output_of_a_host_input() -> Program:
+    """y replaces the donated input x, which lives on host at a 1 MiB budget. y is made at step 0,
+    offloaded while nine empty steps and a small one run, and fetched back for use_y; the window
+    then reaches y's return, so the pass would return it on the device, where x does not live."""
+    ops = [("make_y", [], ["y"])] + [(f"pad{i}", [], [f"p{i}"]) for i in range(9)]
+    ops += [("small", [], ["s"]), ("use_y", ["y"], ["z"])]
+    sizes = {"x": MiB, "y": MiB, **{f"p{i}": 0 for i in range(9)}, "s": 4096, "z": 0}
+    return Program.from_ops(ops, sizes, inputs=["x"], donated=["x"], outputs=["y"], aliases={"y": "x"})
+
+
 @given(programs(), st.floats(0.0, 1.0))
+@example(an_offloaded_output_of_a_host_input(), 0.0)  # y was offloaded twice: to free it, then to return it
 def test_every_feasible_budget_gives_a_valid_plan_within_the_budget(program, position):
     low, high = smallest_feasible(program), in_core_peak(program)
     budget = max(1, int(low + position * (high - low)))
@@ -58,3 +69,23 @@ def test_any_window_that_holds_every_step_gives_a_valid_plan(program, position, 
     window = max(touched, int(budget * window_factor))
     schedule = plan_window(program, budget, window_bytes=window)
     assert validate(program, schedule) == ()
+
+
+def test_an_output_of_a_host_input_that_is_offloaded_already_is_returned_as_that_host_copy():
+    # Its offload made a host copy that stays valid (a value never changes): the output is returned
+    # as that copy. A second offload after use_y is invalid, and at run time the segment that reads
+    # y last would consume its device copy before that offload reads it.
+    program = an_offloaded_output_of_a_host_input()
+    x, y = 0, 1
+    schedule = plan_window(program, MiB)
+    assert validate(program, schedule) == ()
+    assert schedule.host_inputs == {x} and schedule.host_outputs == {y}
+    assert schedule.moves == (
+        Offload(buffer=y, after_step=0, done_before_step=10),
+        Prefetch(buffer=y, issue_step=11, use_step=11),
+    )
+    # y is on host from its offload to the end, beside x; on the device only until the offload is
+    # done (before "small") and again for use_y, which is the last to read that copy.
+    timeline = simulate(program, schedule)
+    assert timeline.device_bytes == (MiB,) * 10 + (4096, MiB)
+    assert timeline.host_bytes == (2 * MiB,) * 12

@@ -418,7 +418,10 @@ def _settle_homes(program: Program, schedule: Schedule) -> Schedule:
       end, so it is kept only where the budget still holds.)
     * An output that replaces a donated input lives where that input lives, so the next call finds
       its state where the plan expects it. If the input stays on host while the output would be
-      returned on the device, the output is copied out; the device copy was held to the end anyway.
+      returned on the device, the output is returned on host: as the host copy its offload made,
+      if the plan offloads it (a value never changes, so that copy is still valid, and a second
+      offload is invalid), else as a copy made after its last use (the device copy was held to the
+      end anyway).
     """
     kept_on_device = _inputs_kept_on_device(program, schedule)
     host_inputs = set(schedule.host_inputs) - kept_on_device
@@ -427,9 +430,10 @@ def _settle_homes(program: Program, schedule: Schedule) -> Schedule:
     for b, buffer in enumerate(program.buffers):
         source = buffer.aliased_input
         if source in host_inputs and b not in host_outputs and buffer.kind == "computed":
-            last = max((program.uses.defined_at[b], *program.uses.read_at[b]))
-            extra_offloads.append(Offload(buffer=b, after_step=last, done_before_step=None))
             host_outputs.add(b)
+            if b not in schedule.offload_by_buffer:
+                last = max((program.uses.defined_at[b], *program.uses.read_at[b]))
+                extra_offloads.append(Offload(buffer=b, after_step=last, done_before_step=None))
 
     moves = [m for m in schedule.moves if m.buffer not in kept_on_device] if kept_on_device else schedule.moves
     if extra_offloads:
