@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from oocjax.errors import BudgetInfeasibleError, OocError, UnsupportedPrimitiveError
 
 if TYPE_CHECKING:
-    from oocjax.api import OocJitted, Plan, ooc_jit, to_device
+    from oocjax.api import OocJitted, Plan, ooc_jit, to_device, to_host
 
 __version__ = "0.1.0"
 __all__ = [
@@ -26,9 +26,16 @@ __all__ = [
     "UnsupportedPrimitiveError",
     "ooc_jit",
     "to_device",
+    "to_host",
 ]
 
-_LAZY = {"ooc_jit": "oocjax.api", "OocJitted": "oocjax.api", "Plan": "oocjax.api", "to_device": "oocjax.api"}
+_LAZY = {
+    "ooc_jit": "oocjax.api",
+    "OocJitted": "oocjax.api",
+    "Plan": "oocjax.api",
+    "to_device": "oocjax.api",
+    "to_host": "oocjax.api",
+}
 
 
 def __getattr__(name: str):

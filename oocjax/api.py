@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -93,12 +94,21 @@ class OocJitted:
         self.fun = arguments.fun
         self.budget_bytes = budget_bytes
         self.options = options
-        self._cache: dict[Any, tuple[TracedStep, BuiltStep]] = {}
+        self._traces: dict[Any, TracedStep] = {}  # per signature
+        self._cache: dict[Any, BuiltStep] = {}  # per signature and arguments held by the caller
         self._runtime_replans: dict[Any, int] = {}
+        # One call at a time per step: a plan holds the budget for one call, and what one call
+        # leaves in flight is counted by the next; two calls at once would each take the budget.
+        # Different steps have their own locks, and their budgets do not add up.
+        self._lock = threading.RLock()
         self._jitted = jax.jit(self.fun, **arguments.jit_kwargs)
         functools.update_wrapper(self, self.fun, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         key, traced, built = self._entry(args, kwargs)
         if built.executor is None:
             if any(memory_kind(x) == "pinned_host" for x in self.arguments.dynamic_leaves(args, kwargs)):
@@ -108,18 +118,31 @@ class OocJitted:
         leaves = self.arguments.dynamic_leaves(args, kwargs)
         moved = [_to_memory(x, kind) for x, kind in zip(leaves, built.input_kinds)]
         copies = [leaf is not original for original, leaf in zip(leaves, moved)]
-        _delete_donated_originals(leaves, copies, traced.donated)
+        # Donated arguments already in host memory are kept until the call has succeeded: a failed
+        # or interrupted call leaves them intact, to be used again.
+        host_donated = [
+            x for x, copied, gave in zip(leaves, copies, traced.donated) if gave and not copied and _on_host(x)
+        ]
+        deleted = _delete_donated_originals(leaves, copies, traced.donated)
         del leaves
         # The executor takes the list over and empties it, and deletes the copies made here at
         # their last use: nothing else may hold their device memory.
-        results = built.executor(moved, copies)
+        try:
+            results = built.executor(moved, copies)
+        except BaseException as error:
+            consumed = sorted({*deleted, *built.executor.consumed_arguments})
+            if consumed:
+                error.add_note(_consumed_note(traced, consumed))
+            raise
         self._learn(key, traced, built)
+        _delete_unreturned(host_donated, results)
         return jax.tree.unflatten(traced.out_tree, results)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``s), without running the step.
         Its segments are compiled (once per signature, as a call would): their memory is measured."""
-        return self._entry(args, kwargs)[2].plan
+        with self._lock:
+            return self._entry(args, kwargs)[2].plan
 
     def lower(
         self, *args: Any, lowering_platforms: Sequence[str] | None = None, **kwargs: Any
@@ -127,7 +150,8 @@ class OocJitted:
         """Lowers the step, e.g. ``lowering_platforms=("cuda",)`` to read the GPU program on a
         CPU-only machine: ``jax.jit``'s one program when nothing moves, else one lowered program
         per segment, in execution order (transfers run between them)."""
-        built = self._entry(args, kwargs)[2]
+        with self._lock:
+            built = self._entry(args, kwargs)[2]
         if built.executor is None:
             specs = self.arguments.device_specs(args, kwargs)
             return self._jitted.trace(*specs[0], **specs[1]).lower(lowering_platforms=lowering_platforms)
@@ -154,33 +178,85 @@ class OocJitted:
             return
         headroom = min(built.plan.headroom_bytes + over + over // 4, self.budget_bytes - 1)
         self._runtime_replans[key] = replans + 1
+        options = dataclasses.replace(self.options, headroom_bytes=headroom)
         try:
-            rebuilt = build(traced, self.budget_bytes, dataclasses.replace(self.options, headroom_bytes=headroom))
+            rebuilt = build(traced, self.budget_bytes, options, held_by_caller=key[1])
         except OocError as error:  # the call itself succeeded: keep what ran, and say why it stays over
             warnings.warn(f"{message}; a plan with {format_bytes(headroom)} of headroom fails: {error}", stacklevel=3)
             return
         warnings.warn(f"{message}; planned again with {format_bytes(headroom)} of headroom", stacklevel=3)
-        self._cache[key] = traced, rebuilt
+        self._cache[key] = rebuilt
 
     def _entry(self, args: tuple, kwargs: dict) -> tuple[Any, TracedStep, BuiltStep]:
-        """The signature's key, its trace and what it runs (built on first use)."""
-        key = self.arguments.signature(args, kwargs)
-        if key not in self._cache:
-            traced = trace_arguments(self.arguments, args, kwargs)
-            self._cache[key] = traced, build(traced, self.budget_bytes, self.options)
-        return key, *self._cache[key]
+        """The call's key (its signature and which arguments the caller holds on the device), its
+        trace and what it runs (built on first use)."""
+        with self._lock:
+            signature = self.arguments.signature(args, kwargs)
+            if signature not in self._traces:
+                self._traces[signature] = trace_arguments(self.arguments, args, kwargs)
+            traced = self._traces[signature]
+            leaves = self.arguments.dynamic_leaves(args, kwargs)
+            held = tuple(not gave and not _on_host(x) for x, gave in zip(leaves, traced.donated))
+            key = signature, held
+            if key not in self._cache:
+                on_host = sum(_nbytes(x) for x in leaves if _on_host(x))
+                self._cache[key] = build(
+                    traced, self.budget_bytes, self.options, held_by_caller=held, host_bytes_in_use=on_host
+                )
+            return key, traced, self._cache[key]
 
 
 def _name(fun: Callable) -> str:
     return getattr(fun, "__qualname__", None) or repr(fun)
 
 
-def _delete_donated_originals(leaves: Sequence[Any], copies: Sequence[bool], donated: Sequence[bool]) -> None:
+def _delete_donated_originals(leaves: Sequence[Any], copies: Sequence[bool], donated: Sequence[bool]) -> list[int]:
     """As ``jax.jit`` does with a donated argument: a donated array that was copied to the memory
-    the plan wants it in is deleted (the copy has its own buffer)."""
-    for original, copied, gave in zip(leaves, copies, donated):
+    the plan wants it in is deleted (the copy has its own buffer). Returns their positions."""
+    deleted = []
+    for i, (original, copied, gave) in enumerate(zip(leaves, copies, donated)):
         if copied and gave and isinstance(original, jax.Array):
             original.delete()
+            deleted.append(i)
+    return deleted
+
+
+def _delete_unreturned(donated: Sequence[Any], results: Sequence[Any]) -> None:
+    """After a successful call, donated arguments kept in host memory are deleted, as ``jax.jit``
+    deletes donated device arguments (old and new state would otherwise share the host). One that
+    the step returns as it is stays."""
+    returned = {id(x) for x in results}
+    for x in donated:
+        if id(x) not in returned and isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+
+
+def _consumed_note(traced: TracedStep, consumed: Sequence[int]) -> str:
+    names = [traced.program.buffers[i].label.removeprefix("argument ") for i in consumed]
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    return (
+        f"oocjax: the failed call had already consumed {len(names)} donated argument(s) kept in device memory; "
+        f"their buffers are gone: {shown}. Donated arguments kept in host memory are intact."
+    )
+
+
+def _on_host(x: Any) -> bool:
+    return memory_kind(x) == "pinned_host"
+
+
+def _nbytes(x: Any) -> int:
+    return int(getattr(x, "nbytes", 0))
+
+
+def to_host(tree: Any) -> Any:
+    """``tree`` with every array leaf moved to host memory (``pinned_host``): state an ``ooc_jit``
+    step may stream in, and that the device does not hold between steps.
+
+    >>> import jax.numpy as jnp
+    >>> to_host({"w": jnp.ones(2)})["w"].sharding.memory_kind
+    'pinned_host'
+    """
+    return jax.tree.map(lambda x: _to_memory(x, "pinned_host") if isinstance(x, jax.Array) else x, tree)
 
 
 def to_device(tree: Any) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import os
 import re
 from typing import Any
 
@@ -71,3 +72,19 @@ def _fraction_of_device(fraction: float, device: Any, given: Any) -> int:
             "size (CPUs do not): give the budget in bytes instead, e.g. budget='2GiB'"
         )
     return int(stats["bytes_limit"] * float(fraction))
+
+
+def available_host_bytes() -> int | None:
+    """Host memory the machine has available now (Linux: ``MemAvailable``; elsewhere the free
+    physical pages), or None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

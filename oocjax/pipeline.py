@@ -9,17 +9,25 @@ the budget, the program learns each segment's measured excess as scratch and is 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from oocjax.budget import resolve_bytes
+from oocjax.budget import available_host_bytes, resolve_bytes
 from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.plan import Plan
-from oocjax.schedule import MiB, Program, format_bytes, plan_window, required_bytes
-from oocjax.schedule.segments import Segment, SegmentCost, cut_segments, executed_peak, with_measured_scratch
+from oocjax.schedule import MiB, Program, Schedule, format_bytes, plan_window, required_bytes, simulate, validate
+from oocjax.schedule.segments import (
+    Segment,
+    SegmentCost,
+    check_segments,
+    cut_segments,
+    executed_peak,
+    with_measured_scratch,
+)
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.execute import ChainExecutor, compile_segments
 from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
@@ -35,6 +43,9 @@ DEFAULT_MIN_SEGMENT_FLOPS = {"cpu": 10**8, "gpu": 4 * 10**11, "cuda": 4 * 10**11
 # explained (fragmentation), growing over the step (benchmarks/results/gpu_gate-*.json). A CPU
 # has no allocator statistics to learn from, and its runs are checked by their live arrays.
 DEFAULT_HEADROOM = {"gpu": 0.08, "cuda": 0.08, "rocm": 0.08}
+# Host memory a plan leaves to the rest of the machine when no host_budget is given, as a fraction
+# of what is available when the step is planned.
+HOST_MARGIN = 0.1
 # Operations that run whole, as one step with their internal peak as scratch: when one of them sets
 # the floor, the error says so.
 OPAQUE_LOOPS = {
@@ -53,6 +64,7 @@ class PlannerOptions:
     min_segment_flops: int = 10**11
     min_segments: int = 1
     headroom_bytes: int = 0
+    host_budget: int | None = None  # None: what the machine has available when the step is planned
 
     @classmethod
     def read(cls, options: dict[str, Any], platform: str, budget_bytes: int) -> PlannerOptions:
@@ -66,9 +78,9 @@ class PlannerOptions:
             min_segment_flops=DEFAULT_MIN_SEGMENT_FLOPS.get(platform, 10**11),
             headroom_bytes=int(budget_bytes * DEFAULT_HEADROOM.get(platform, 0)),
         )
-        for name in ("window_bytes", "min_offload_bytes", "headroom_bytes"):
+        for name in ("window_bytes", "min_offload_bytes", "headroom_bytes", "host_budget"):
             if options.get(name) is not None:
-                read[name] = resolve_bytes(name, options[name], allow_zero=name != "window_bytes")
+                read[name] = resolve_bytes(name, options[name], allow_zero=name not in ("window_bytes", "host_budget"))
         if read["headroom_bytes"] >= budget_bytes:
             raise ValueError(f"headroom_bytes ({read['headroom_bytes']}) must be below the budget ({budget_bytes})")
         for name in ("min_segment_flops", "min_segments"):
@@ -94,39 +106,41 @@ class BuiltStep:
     segment_functions: tuple[Callable, ...] = ()
 
 
-def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> BuiltStep:
+def build(
+    traced: TracedStep,
+    budget_bytes: int,
+    options: PlannerOptions,
+    *,
+    held_by_caller: tuple[bool, ...] = (),
+    host_bytes_in_use: int = 0,
+) -> BuiltStep:
     """Plans, cuts and compiles a traced step until its measured peak holds ``budget_bytes`` less
     ``options.headroom_bytes``.
 
+    ``held_by_caller`` marks the flat arguments the caller passes in device memory and keeps (not
+    donated): they stay on the device for the whole step, and the plan counts them there.
+    ``host_bytes_in_use`` is host memory the arguments already take: in the plan's host peak, but
+    not in what the machine has available. Every plan and its chain of segments are checked by the
+    simulator before anything runs.
+
     Raises ``BudgetInfeasibleError`` when no plan fits, and ``OocError`` when the compiled segments
-    still measure over the budget after ``MAX_REPLANS`` plans."""
-    flat, program = traced.flat, traced.program
-    device = jax.devices()[0].device_kind
+    still measure over the budget after ``MAX_REPLANS`` plans, or the plan needs more host memory
+    than ``options.host_budget``."""
+    program = _with_held_by_caller(traced.program, held_by_caller)
     user_budget, budget_bytes = budget_bytes, budget_bytes - options.headroom_bytes
     planned_for, history, worst_text = budget_bytes, [], ""
+    host_budget = _host_budget(options, host_bytes_in_use)
     compiled: dict = {}  # shared across re-plans: a segment that did not change compiles once
     while True:
         schedule = _plan(program, planned_for, budget_bytes, options, history, worst_text)
-        input_kinds = tuple("pinned_host" if b in schedule.host_inputs else "device" for b in range(flat.num_inputs))
-        described = dict(
-            schedule=schedule,
-            source_jaxpr=traced.jaxpr,
-            budget_bytes=user_budget,
-            in_core_program=traced.program,
-            headroom_bytes=options.headroom_bytes,
-            loops=flat.loops,
-            input_kinds=input_kinds,
-            device=device,
-        )
+        _check_host_peak(program, schedule, host_budget, options.host_budget is None)
+        described = _description(traced, schedule, user_budget, options.headroom_bytes)
+        input_kinds = described["input_kinds"]
         if schedule.moves_nothing and options.min_segments <= 1:  # jax.jit's own program
             return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None, input_kinds)
-        segments = cut_segments(
-            program,
-            schedule,
-            budget_bytes=planned_for,
-            min_segment_flops=options.min_segment_flops,
-            min_segments=options.min_segments,
-        )
+        cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments)
+        segments = cut_segments(program, schedule, budget_bytes=planned_for, **cuts)
+        _refuse_invalid("chain of segments", check_segments(program, schedule, segments))
         _refuse_tokens_between(segments, traced.flat.avals)
         functions, chain = _chain(traced, program, schedule, segments, input_kinds)
         programs, costs = compile_segments(chain, functions, compiled)
@@ -150,7 +164,73 @@ def build(traced: TracedStep, budget_bytes: int, options: PlannerOptions) -> Bui
         attempts=tuple(measured for _, measured in history),
         **described,
     )
-    return BuiltStep(plan, ChainExecutor(chain, programs, costs, budget_bytes), input_kinds, tuple(functions))
+    return BuiltStep(plan, ChainExecutor(chain, programs, costs, budget_bytes, functions), input_kinds, functions)
+
+
+def _description(traced: TracedStep, schedule: Schedule, budget_bytes: int, headroom_bytes: int) -> dict:
+    """What a plan says whether or not anything moves (``Plan.build``'s shared keywords)."""
+    kinds = tuple("pinned_host" if b in schedule.host_inputs else "device" for b in range(traced.flat.num_inputs))
+    return dict(
+        schedule=schedule,
+        source_jaxpr=traced.jaxpr,
+        budget_bytes=budget_bytes,
+        in_core_program=traced.program,
+        headroom_bytes=headroom_bytes,
+        loops=traced.flat.loops,
+        input_kinds=kinds,
+        device=jax.devices()[0].device_kind,
+    )
+
+
+def _host_budget(options: PlannerOptions, host_bytes_in_use: int) -> int | None:
+    """The user's host budget, else what the machine has available less a margin (None: unknown)."""
+    if options.host_budget is not None:
+        return options.host_budget
+    available = available_host_bytes()
+    return None if available is None else int(available * (1 - HOST_MARGIN)) + host_bytes_in_use
+
+
+def _with_held_by_caller(program: Program, held: tuple[bool, ...]) -> Program:
+    if not any(held):
+        return program
+    buffers = tuple(
+        dataclasses.replace(buffer, held_by_caller=True) if b < len(held) and held[b] else buffer
+        for b, buffer in enumerate(program.buffers)
+    )
+    return Program(steps=program.steps, buffers=buffers)
+
+
+def _refuse_invalid(what: str, violations: tuple) -> None:
+    """A plan the simulator rejects would lose data or break the budget at run time: never run it."""
+    if violations:
+        listed = "\n".join(f"  - {v.message}" for v in violations[:10])
+        more = f"\n  ... and {len(violations) - 10} more" if len(violations) > 10 else ""
+        raise OocError(
+            f"oocjax made a {what} that its own simulator rejects ({len(violations)} problems), so it does not "
+            f"run it: your arrays are untouched. This is a bug in oocjax; please report it with this message.\n"
+            f"{listed}{more}\nUntil it is fixed, a slightly different budget or min_offload_bytes avoids it."
+        )
+
+
+def _check_host_peak(program: Program, schedule: Schedule, host_budget: int | None, default: bool) -> None:
+    """Host memory is finite too: a plan whose host copies would not fit is refused before it runs."""
+    if host_budget is None:
+        return
+    host_peak = simulate(program, schedule).host_peak_bytes
+    if host_peak <= host_budget:
+        return
+    which = (
+        f"the memory this machine has available less a {HOST_MARGIN:.0%} margin ({format_bytes(host_budget)})"
+        if default
+        else f"host_budget ({format_bytes(host_budget)})"
+    )
+    raise OocError(
+        f"the plan needs {format_bytes(host_peak)} of host memory at its peak (host-kept state and copies of "
+        f"values moved off the device), more than {which}.\n"
+        "Fixes:\n  1. raise the device budget, so that less moves to host;\n"
+        "  2. free host memory, or raise host_budget if the machine has more to give;\n"
+        "  3. make the step smaller (a smaller batch or model)."
+    )
 
 
 def _refuse_tokens_between(segments: tuple[Segment, ...], avals: tuple) -> None:
@@ -167,7 +247,7 @@ def _refuse_tokens_between(segments: tuple[Segment, ...], avals: tuple) -> None:
 
 def _chain(traced: TracedStep, program: Program, schedule: Any, segments: tuple, input_kinds: tuple) -> tuple:
     """One jitted function per segment, and the chain's jaxpr (transfers named for their values)."""
-    functions = segment_functions(traced.flat, segments)
+    functions = tuple(segment_functions(traced.flat, segments))
     labels = [buffer.label for buffer in program.buffers]
     chain = chain_function(traced.flat, schedule, segments, functions, labels)
     return functions, chain_jaxpr(chain, traced.flat, input_kinds)
@@ -175,8 +255,9 @@ def _chain(traced: TracedStep, program: Program, schedule: Any, segments: tuple,
 
 def _plan(program: Program, planned_for: int, budget: int, options: PlannerOptions, history: list, worst: str):
     try:
-        return plan_window(program, planned_for, **options.window)
+        schedule = plan_window(program, planned_for, **options.window)
     except BudgetInfeasibleError as error:
+        _refuse_for_held_arguments(program, error, options)
         if history:
             raise OocError(_over_budget_message(budget, history, error.required_bytes) + worst) from error
         loop = OPAQUE_LOOPS.get(program.steps[error.step].name)
@@ -203,6 +284,39 @@ def _plan(program: Program, planned_for: int, budget: int, options: PlannerOptio
             step=error.step,
             where=error.where,
         ) from None
+    _refuse_invalid("plan", validate(program, schedule))
+    return schedule
+
+
+def _refuse_for_held_arguments(program: Program, error: BudgetInfeasibleError, options: PlannerOptions) -> None:
+    """When the arguments the caller keeps on the device make the budget infeasible, say which to
+    donate or pass in host memory."""
+    held = [b for b, buffer in enumerate(program.buffers) if buffer.held_by_caller]
+    if not held:
+        return
+    buffers = tuple(dataclasses.replace(buffer, held_by_caller=False) for buffer in program.buffers)
+    released = Program(steps=program.steps, buffers=buffers)
+    if max(required_bytes(released, options.min_offload_bytes)) > error.budget_bytes:
+        return  # infeasible anyway: the planner's own error says why
+    largest = sorted(held, key=lambda b: -program.buffers[b].nbytes)
+    listed = "\n".join(
+        f"  - {program.buffers[b].label.removeprefix('argument ')} ({format_bytes(program.buffers[b].nbytes)})"
+        for b in largest[:10]
+    )
+    more = f"\n  ... and {len(held) - 10} more" if len(held) > 10 else ""
+    total = format_bytes(sum(program.buffers[b].nbytes for b in held))
+    raise BudgetInfeasibleError(
+        f"a budget of {format_bytes(error.budget_bytes)} cannot hold the step together with the arguments "
+        f"you keep on the device ({total}: passed in device memory and not donated, so they stay there for the "
+        f"whole step):\n{listed}{more}\n"
+        "Fixes:\n  1. donate them (donate_argnums), so that the step may move them;\n"
+        "  2. pass them in host memory: oocjax.to_host(x), or jax.device_put(x, jax.memory.Space.Host);\n"
+        f"  3. raise the budget to at least {format_bytes(error.required_bytes)}.",
+        budget_bytes=error.budget_bytes,
+        required_bytes=error.required_bytes,
+        step=error.step,
+        where=error.where,
+    ) from None
 
 
 def _count(name: str, value: Any, *, smallest: int) -> int:

@@ -2,6 +2,7 @@
 what is wrong, with the step and buffer to look at."""
 
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -87,8 +88,16 @@ def test_a_negative_size_is_refused():
 
 
 def test_only_an_input_may_be_donated():
-    refused([Step(reads=(), writes=(0,))], [computed(donated=True)], "buffer 0 is donated but is not an input")
-    refused([], [Buffer(nbytes=4, kind="constant", donated=True)], "buffer 0 is donated but is not an input")
+    refused(
+        [Step(reads=(), writes=(0,))],
+        [computed(donated=True)],
+        "buffer 0 is donated or held by the caller but is not an input",
+    )
+    refused(
+        [],
+        [Buffer(nbytes=4, kind="constant", donated=True)],
+        "buffer 0 is donated or held by the caller but is not an input",
+    )
 
 
 @pytest.mark.parametrize(
@@ -113,3 +122,14 @@ def test_an_alias_must_pair_an_output_with_a_donated_input(buffers, why):
 def test_from_ops_builds_the_same_checked_program():
     with pytest.raises(ValueError, match=r"step 0 \(f\) reads buffer 1 before it is defined"):
         Program.from_ops([("f", ["b"], ["a"]), ("g", [], ["b"])], {"a": 1, "b": 1})
+
+
+def test_only_an_input_may_be_held_by_the_caller_and_never_also_donated():
+    refused([], [Buffer(nbytes=4, kind="constant", held_by_caller=True)], "is donated or held by the caller but is not")
+    both = Buffer(nbytes=4, kind="input", donated=True, held_by_caller=True)
+    refused([], [both], "buffer 0 is both donated and held by the caller")
+
+
+def test_an_input_the_caller_holds_never_moves_whatever_its_size():
+    held = Buffer(nbytes=2**30, kind="input", held_by_caller=True)
+    assert held.never_moves(min_offload_bytes=1) and not replace(held, held_by_caller=False).never_moves(1)

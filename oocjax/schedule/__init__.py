@@ -7,6 +7,7 @@ from oocjax.schedule.baselines import fixed_lookahead, keep_all, swap_all_just_i
 from oocjax.schedule.cost import DEFAULT_PROFILE, PROFILES, DeviceProfile, TimedResult, resolve_profile, simulate_time
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.program import Buffer, Program, Stay, Step, Uses
+from oocjax.schedule.segments import check_segments
 from oocjax.schedule.simulate import MemoryTimeline, Violation, simulate, validate
 from oocjax.schedule.units import MiB, format_bytes, parse_bytes
 from oocjax.schedule.window import check_feasible, plan_window, required_bytes
@@ -29,6 +30,7 @@ __all__ = [
     "Uses",
     "Violation",
     "check_feasible",
+    "check_segments",
     "fixed_lookahead",
     "format_bytes",
     "keep_all",

@@ -38,6 +38,9 @@ class Buffer:
         last read (a kept input occupies the device for the whole step).
       aliased_input: for outputs: the donated input this output replaces in the next call, so the
         planner keeps the two in the same memory.
+      held_by_caller: for inputs: the caller passes it in device memory and keeps it (not donated),
+        so it occupies the device for the whole step whatever a plan does: copying it to host
+        would cost a transfer and free nothing.
       label: where it comes from, for people ("argument params['w']", "output of dot_general ...").
     """
 
@@ -46,12 +49,14 @@ class Buffer:
     is_output: bool = False
     donated: bool = False
     aliased_input: int | None = None
+    held_by_caller: bool = False
     label: str = ""
 
     def never_moves(self, min_offload_bytes: int) -> bool:
-        """Whether no plan moves it: constants are baked into the program, and a value under
-        ``min_offload_bytes`` costs more to copy than the memory it would free."""
-        return self.kind == "constant" or self.nbytes < min_offload_bytes
+        """Whether no plan moves it: constants are baked into the program, an argument the caller
+        holds on the device stays there anyway, and a value under ``min_offload_bytes`` costs more
+        to copy than the memory it would free."""
+        return self.kind == "constant" or self.held_by_caller or self.nbytes < min_offload_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,8 +113,10 @@ class Program:
                 raise ValueError(f"computed buffer {b} ({buffer.label or 'unlabelled'}) is never defined")
             if buffer.nbytes < 0:
                 raise ValueError(f"buffer {b} has a negative size {buffer.nbytes}")
-            if buffer.donated and buffer.kind != "input":
-                raise ValueError(f"buffer {b} is donated but is not an input")
+            if (buffer.donated or buffer.held_by_caller) and buffer.kind != "input":
+                raise ValueError(f"buffer {b} is donated or held by the caller but is not an input")
+            if buffer.donated and buffer.held_by_caller:
+                raise ValueError(f"buffer {b} is both donated and held by the caller")
             alias = buffer.aliased_input
             if alias is not None and not (
                 buffer.is_output and 0 <= alias < len(self.buffers) and self.buffers[alias].donated

@@ -40,12 +40,15 @@ def parse_bytes(text: str) -> int:
 def format_bytes(nbytes: int) -> str:
     """Renders a byte count with binary units, three significant digits.
 
-    >>> format_bytes(3 * 2**30 // 2)
-    '1.5 GiB'
+    >>> format_bytes(3 * 2**30 // 2), format_bytes(1010 * 1024)
+    ('1.5 GiB', '1010 KiB')
     """
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024:
-            return f"{int(value)} B" if unit == "B" else f"{value:.3g} {unit}"
+            # 1000-1023 have four digits: printed whole, not as 1.01e+03.
+            return (
+                f"{int(value)} B" if unit == "B" else f"{value:.0f} {unit}" if value >= 999.5 else f"{value:.3g} {unit}"
+            )
         value /= 1024
     return f"{value:.3g} TiB"

@@ -30,6 +30,7 @@ what the launch allocates is over the budget, until nothing is left to wait on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -244,6 +245,16 @@ class _DeviceMemory:
             else:
                 return  # nothing left to wait on
 
+    def drain(self) -> None:
+        """Waits for everything in flight (after a failed call: the next one starts with nothing pending)."""
+        try:
+            while self.pending:
+                self._wait_oldest()
+            _wait(self.latest_launch)
+        finally:
+            self.pending.clear()
+            self.pending_bytes, self.latest_launch = 0, None
+
     def _read_allocator(self) -> int | None:
         return self.bytes_in_use() if ALLOCATOR_GATE and self.bytes_in_use is not None else None
 
@@ -287,8 +298,16 @@ class ChainExecutor:
 
     measured_peak_bytes: int | None = None  # of the last call; None where the device reports nothing
 
-    def __init__(self, chain: jc.ClosedJaxpr, programs: Sequence[Any], costs: Sequence[SegmentCost], budget_bytes: int):
+    def __init__(
+        self,
+        chain: jc.ClosedJaxpr,
+        programs: Sequence[Any],
+        costs: Sequence[SegmentCost],
+        budget_bytes: int,
+        functions: Sequence[Callable] = (),
+    ):
         self.chain, self.programs, self.costs, self.budget_bytes = chain, list(programs), list(costs), budget_bytes
+        self.functions = list(functions)  # the jitted segments, run instead under jax_debug_nans / _infs
         jaxpr = chain.jaxpr
         self.last_use: dict[Any, int] = {}
         for i, eqn in enumerate(jaxpr.eqns):
@@ -298,6 +317,8 @@ class ChainExecutor:
         for v in jaxpr.outvars:
             if isinstance(v, jc.Var):
                 self.last_use[v] = len(jaxpr.eqns)  # returned: never dropped
+        self.argument_index = {v: i for i, v in enumerate(jaxpr.invars)}
+        self.consumed_arguments: list[int] = []  # of the last call: caller's arrays a launch consumed
         self.host, self.device = sharding("pinned_host"), sharding("device")
         device = next(iter(self.device.device_set))
         self.memory = _DeviceMemory(budget_bytes, allocator_reader(device))
@@ -306,28 +327,45 @@ class ChainExecutor:
     def __call__(self, arguments: list[Any], owned: Sequence[bool] = ()) -> list[Any]:
         """Runs the chain on the flat arguments, taking the list over: it is emptied, so that no
         argument outlives its last use here. ``owned`` marks arguments that are copies made for
-        this call (moved to the memory the plan wants them in): deleted at their last use."""
-        jaxpr, memory = self.chain.jaxpr, self.memory
+        this call (moved to the memory the plan wants them in): deleted at their last use.
+
+        Not reentrant: one call at a time (``ooc_jit`` holds a lock around it). If the call fails,
+        or is interrupted between segments, it waits for the work in flight, deletes what it made
+        and lets go of everything else before the error propagates; ``consumed_arguments`` then
+        lists the arguments whose device buffers a launch had consumed (donated)."""
+        memory = self.memory
         memory.start_call()
+        self.consumed_arguments = []
         peak_before = self.peak_in_use() if self.peak_in_use is not None else None
         self._launch_peak: int | None = None
         env: dict[Any, Any] = {}
+        try:
+            self._bind_arguments(env, arguments, list(owned) or [False] * len(arguments))
+            self._run(env)
+        except BaseException:
+            self._abandon(env)
+            raise
+        self._measure(peak_before)
+        return [v.val if isinstance(v, jc.Literal) else env[v] for v in self.chain.jaxpr.outvars]
 
-        def write(v: Any, x: Any, owned: bool = True) -> None:
-            if v in self.last_use:
-                env[v] = x
-                memory.hold(x, owned=owned)
-
+    def _bind_arguments(self, env: dict, arguments: list[Any], owned: list[bool]) -> None:
+        jaxpr = self.chain.jaxpr
         for v, x in zip(jaxpr.constvars, self.chain.consts, strict=True):
-            write(v, x, owned=False)
-        owned = list(owned) or [False] * len(arguments)
+            self._write(env, v, x, owned=False)
         for v, x, mine in zip(jaxpr.invars, arguments, owned, strict=True):
-            write(v, x, owned=mine)
+            self._write(env, v, x, owned=mine)
         arguments.clear()
-        del x
-        memory.count_foreign()
-        segment = 0
-        for i, eqn in enumerate(jaxpr.eqns):
+        self.memory.count_foreign()
+
+    def _write(self, env: dict, v: Any, x: Any, owned: bool = True) -> None:
+        if v in self.last_use:
+            env[v] = x
+            self.memory.hold(x, owned=owned)
+
+    def _run(self, env: dict) -> None:
+        """``eval_jaxpr``'s loop over the chain: launches, transfers and waits, in order."""
+        memory, segment = self.memory, 0
+        for i, eqn in enumerate(self.chain.jaxpr.eqns):
             invals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
             extra = 0
             if eqn.primitive is jc.jit_p:
@@ -346,12 +384,32 @@ class ChainExecutor:
             else:
                 raise AssertionError(f"a chain holds segments, transfers and waits only, not {eqn.primitive}")
             for v, x in zip(eqn.outvars, outvals, strict=True):
-                write(v, x)
+                self._write(env, v, x)
             dying = [env.pop(v) for v in dict.fromkeys(eqn.invars) if isinstance(v, jc.Var) and self.last_use[v] == i]
             memory.release(dying, probe=_probe(outvals), extra_bytes=extra)
-            del invals, outvals, dying  # no reference may outlive its last use
-        self._measure(peak_before)
-        return [v.val if isinstance(v, jc.Literal) else env[v] for v in jaxpr.outvars]
+            del invals, outvals, dying, x  # no reference may outlive its last use (nor a failed call)
+
+    def _abandon(self, env: dict) -> None:
+        """After a failure: nothing of the call may stay alive through the exception. Work in flight
+        is waited for (its memory is then free and the next call's account starts clean), arrays
+        the executor made are deleted, and the caller's are let go of."""
+        memory, given = self.memory, {*self.chain.jaxpr.constvars, *self.argument_index}
+        with contextlib.suppress(Exception):  # the failed work itself may raise again when waited on
+            memory.drain()
+        for v, x in env.items():
+            made_here = v not in given or id(x) in memory.owned  # results, copies, prefetches, offloads
+            if made_here and isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+        env.clear()
+        memory.start_call()
+
+    @functools.cache  # noqa: B019 (one per executor and segment, as long as the executor lives)
+    def _checked(self, segment: int) -> Callable:
+        """The segment as ``jax.jit`` runs it under ``jax_debug_nans`` / ``_infs``: donating nothing,
+        so that on a NaN or inf jax can run its equations again one by one and raise a
+        ``FloatingPointError`` naming the operation (``transforms.segment`` adds the source line)."""
+        device = self.device
+        return jax.jit(self.functions[segment].__wrapped__, in_shardings=device, out_shardings=device)
 
     def _measure(self, peak_before: int | None) -> None:
         """Sets ``measured_peak_bytes`` for the call just made. Allocations happen when work is
@@ -381,10 +439,18 @@ class ChainExecutor:
         if memory.allocator_bytes is not None:
             at_launch = memory.allocator_bytes - memory.foreign_bytes + cost.launch_bytes
             self._launch_peak = max(self._launch_peak or 0, at_launch)
-        outvals = self.programs[segment](*invals)
+        if self.functions and (jax.config.jax_debug_nans or jax.config.jax_debug_infs):
+            outvals = self._checked(segment)(*invals)
+        else:
+            outvals = self.programs[segment](*invals)
         probe = _probe(outvals)
         donated = [x for x, d in zip(invals, eqn.params["donated_invars"]) if d]
         if donated:
             memory.consumed(donated, probe)
+            self.consumed_arguments += [
+                self.argument_index[v]
+                for v, d, x in zip(eqn.invars, eqn.params["donated_invars"], invals)
+                if d and v in self.argument_index and id(x) not in memory.owned and x.is_deleted()
+            ]
         memory.launched(probe)
         return outvals, cost.temp_bytes - cost.alias_bytes

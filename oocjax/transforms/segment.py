@@ -39,7 +39,12 @@ def _segment_function(flat: FlatProgram, index: int, segment: Segment) -> Callab
         for fe in equations:
             invals = [r.val if isinstance(r, jc.Literal) else env[r] for r in fe.inputs]
             with jc.equation_context(fe.eqn):
-                env.update(zip(fe.outputs, jc.bind_equation(fe.eqn, invals), strict=True))
+                try:
+                    env.update(zip(fe.outputs, jc.bind_equation(fe.eqn, invals), strict=True))
+                except FloatingPointError as error:  # jax_debug_nans / _infs, run one equation at a time
+                    where = jc.source_line(fe.eqn)
+                    error.add_note(f"oocjax: in {fe.eqn.primitive.name}" + (f" at {where}" if where else ""))
+                    raise
         return tuple(env[b] for b in segment.outputs)
 
     run.__name__ = run.__qualname__ = f"segment_{index}"
