@@ -7,6 +7,7 @@ from oocjax.schedule.baselines import fixed_lookahead, keep_all, swap_all_just_i
 from oocjax.schedule.cost import DEFAULT_PROFILE, PROFILES, DeviceProfile, TimedResult, resolve_profile, simulate_time
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.program import Buffer, Program, Stay, Step, Uses
+from oocjax.schedule.recompute import PressureBound, Rewrite, choose_recompute, pressure_bound, recompute_program
 from oocjax.schedule.segments import check_segments
 from oocjax.schedule.simulate import MemoryTimeline, Violation, simulate, validate
 from oocjax.schedule.units import MiB, format_bytes, parse_bytes
@@ -22,7 +23,9 @@ __all__ = [
     "Move",
     "Offload",
     "Prefetch",
+    "PressureBound",
     "Program",
+    "Rewrite",
     "Schedule",
     "Stay",
     "Step",
@@ -31,11 +34,14 @@ __all__ = [
     "Violation",
     "check_feasible",
     "check_segments",
+    "choose_recompute",
     "fixed_lookahead",
     "format_bytes",
     "keep_all",
     "parse_bytes",
     "plan_window",
+    "pressure_bound",
+    "recompute_program",
     "required_bytes",
     "resolve_profile",
     "simulate",
