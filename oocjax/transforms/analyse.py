@@ -4,7 +4,8 @@ Two passes, each one loop over equations:
 
 * ``flatten`` inlines nested ``jit`` calls and remat (``checkpoint``) blocks, so that the planner
   sees the real operations of the step rather than a handful of calls, and numbers every value
-  with a global buffer id.
+  with a global buffer id. It then drops dead code: equations without effects whose results
+  nobody reads (XLA would drop them too, but the planner would have held their memory).
 * ``to_program`` sizes every buffer from its aval and turns each flat equation into a planner step.
   Other higher-order primitives (``scan``, ``while``, ``cond``, ``custom_jvp_call``,
   ``custom_vjp_call``) stay one opaque step each, whose own peak becomes the step's scratch
@@ -44,6 +45,7 @@ class FlatEquation:
     eqn: jc.JaxprEqn
     inputs: tuple[Ref, ...]
     outputs: tuple[int, ...]
+    recompute_of: int | None = None  # for a copy (``transforms.recompute``): the equation it runs again
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,22 +58,73 @@ class FlatProgram:
     constants: tuple[tuple[int, Any], ...]  # (buffer id, value)
     outputs: tuple[Ref, ...]
     loops: tuple[LoopInfo, ...] = ()  # top-level scans, unrolled or not
+    dead_equations: int = 0  # equations ``flatten`` dropped because nobody reads their results
 
 
 def flatten(closed: jc.ClosedJaxpr, *, unroll: bool = True) -> FlatProgram:
-    """Inlines nested ``jit`` (and ``closed_call``) equations and remat blocks, and unrolls the
-    scans worth it (``unroll``), giving every value a buffer id."""
+    """Inlines nested ``jit`` (and ``closed_call``) equations and remat blocks, unrolls the scans
+    worth it (``unroll``), gives every value a buffer id, and drops dead code (``without_dead_code``)."""
     flattener = _Flattener(unroll)
     with gc_paused():
         arguments = [flattener.new(var.aval) for var in closed.jaxpr.invars]
         outputs = [flattener.materialize(r) for r in flattener.inline(closed.jaxpr, closed.consts, arguments)]
+        flat = FlatProgram(
+            equations=tuple(flattener.equations),
+            avals=tuple(flattener.avals),
+            num_inputs=len(arguments),
+            constants=tuple(flattener.constants),
+            outputs=tuple(outputs),
+            loops=tuple(flattener.loops),
+        )
+        return without_dead_code(flat)
+
+
+def without_dead_code(flat: FlatProgram) -> FlatProgram:
+    """``flat`` without the equations whose results nobody reads, nor the constants only they read.
+
+    An equation is dead when it has no effects and none of its results is read by a live equation
+    or returned. One backward pass finds them all, so a chain of dead equations dies whole (the
+    unused branch of a ``where`` built from a broadcast mask: RECOMPUTE.md section 2). The kept
+    buffers are renumbered in their order, so arguments keep their ids and every id stays defined
+    (``Program`` refuses a computed buffer nobody defines).
+
+    >>> def f(x):
+    ...     unused = jnp.exp(x)
+    ...     return jnp.sin(x)
+    >>> flat = flatten(jax.make_jaxpr(f)(1.0))
+    >>> [fe.eqn.primitive.name for fe in flat.equations], flat.dead_equations
+    (['sin'], 1)
+    """
+    read = {r for r in flat.outputs if isinstance(r, int)}
+    live: list[int] = []
+    for i in reversed(range(len(flat.equations))):
+        fe = flat.equations[i]
+        if fe.eqn.effects or not read.isdisjoint(fe.outputs):
+            live.append(i)
+            read.update(r for r in fe.inputs if isinstance(r, int))
+    live.reverse()
+    constants = [(b, value) for b, value in flat.constants if b in read]
+    if len(live) == len(flat.equations) and len(constants) == len(flat.constants):
+        return flat
+    kept = [*range(flat.num_inputs), *(b for b, _ in constants), *(o for i in live for o in flat.equations[i].outputs)]
+    new_id = {b: n for n, b in enumerate(sorted(kept))}
+    new_index = {i: n for n, i in enumerate(live)}  # a copy's ``recompute_of`` follows its original
+
+    def renumber(r: Ref) -> Ref:
+        return new_id[r] if isinstance(r, int) else r
+
+    def renumbered(fe: FlatEquation) -> FlatEquation:
+        origin = None if fe.recompute_of is None else new_index.get(fe.recompute_of)
+        return FlatEquation(fe.eqn, tuple(map(renumber, fe.inputs)), tuple(map(renumber, fe.outputs)), origin)
+
     return FlatProgram(
-        equations=tuple(flattener.equations),
-        avals=tuple(flattener.avals),
-        num_inputs=len(arguments),
-        constants=tuple(flattener.constants),
-        outputs=tuple(outputs),
-        loops=tuple(flattener.loops),
+        equations=tuple(renumbered(flat.equations[i]) for i in live),
+        avals=tuple(flat.avals[b] for b in sorted(kept)),
+        num_inputs=flat.num_inputs,
+        constants=tuple((new_id[b], value) for b, value in constants),
+        outputs=tuple(map(renumber, flat.outputs)),
+        loops=flat.loops,
+        dead_equations=flat.dead_equations + len(flat.equations) - len(live),
     )
 
 

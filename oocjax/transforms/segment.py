@@ -11,6 +11,7 @@ layers) have the same jaxpr and can share one compiled program.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import jax
 from oocjax.schedule import Schedule
 from oocjax.schedule.segments import Segment
 from oocjax.transforms import _compat as jc
-from oocjax.transforms.analyse import FlatProgram
+from oocjax.transforms.analyse import FlatEquation, FlatProgram
 from oocjax.transforms.memories import sharding, spec
 
 Host = jax.memory.Space.Host
@@ -33,24 +34,66 @@ def segment_functions(flat: FlatProgram, segments: Sequence[Segment]) -> list[Ca
 
 def _segment_function(flat: FlatProgram, index: int, segment: Segment) -> Callable:
     equations = flat.equations[segment.start : segment.stop]
+    barriers = _copy_barriers(equations)
 
     def run(*values: Any) -> tuple[Any, ...]:
         env: dict[int, Any] = dict(zip(segment.inputs, values, strict=True))
-        for fe in equations:
-            invals = [r.val if isinstance(r, jc.Literal) else env[r] for r in fe.inputs]
-            with jc.equation_context(fe.eqn):
-                try:
-                    env.update(zip(fe.outputs, jc.bind_equation(fe.eqn, invals), strict=True))
-                except FloatingPointError as error:  # jax_debug_nans / _infs, run one equation at a time
-                    where = jc.source_line(fe.eqn)
-                    error.add_note(f"oocjax: in {fe.eqn.primitive.name}" + (f" at {where}" if where else ""))
-                    raise
+        fenced: dict[int, Any] = {}  # the current copy group's operands, through its barrier
+        for position, fe in enumerate(equations):
+            if fe.recompute_of is None:
+                fenced = {}
+            elif position in barriers:
+                operands, anchor = barriers[position]
+                through, _ = jax.lax.optimization_barrier(([env[b] for b in operands], [env[b] for b in anchor]))
+                fenced = dict(zip(operands, through, strict=True))
+            invals = [r.val if isinstance(r, jc.Literal) else fenced.get(r, env[r]) for r in fe.inputs]
+            env.update(zip(fe.outputs, _bind(fe, invals), strict=True))
         return tuple(env[b] for b in segment.outputs)
 
     run.__name__ = run.__qualname__ = f"segment_{index}"
     donated = tuple(i for i, b in enumerate(segment.inputs) if b in segment.donated)
     device = sharding("device")
     return jax.jit(run, donate_argnums=donated, in_shardings=device, out_shardings=device, keep_unused=True)
+
+
+def _bind(fe: FlatEquation, invals: list[Any]) -> list[Any]:
+    """The equation on values, under its user source line; a copy also under ``oocjax.recompute``,
+    so that profiles and the compiled program's metadata tell it from its original."""
+    scope = jax.named_scope("oocjax.recompute") if fe.recompute_of is not None else contextlib.nullcontext()
+    with jc.equation_context(fe.eqn), scope:
+        try:
+            return jc.bind_equation(fe.eqn, invals)
+        except FloatingPointError as error:  # jax_debug_nans / _infs, run one equation at a time
+            where = jc.source_line(fe.eqn)
+            error.add_note(f"oocjax: in {fe.eqn.primitive.name}" + (f" at {where}" if where else ""))
+            raise
+
+
+def _copy_barriers(equations: Sequence[FlatEquation]) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Per copy group (a run of recomputed equations, ``FlatEquation.recompute_of``), at its first
+    position: the operands it reads from outside the group, and the first result of the equation
+    before it (an anchor; none at the segment's start).
+
+    Both pass through one ``optimization_barrier`` before the group runs, and the group reads the
+    barrier's results. Without it XLA's common-subexpression elimination sees the copy compute what
+    its original computed, and keeps the original's result alive instead: the recomputation and
+    the memory it saves are gone. The anchor keeps XLA from hoisting the copies above the step
+    the planner put them after (its result is not used otherwise).
+    """
+    barriers: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    start = None
+    for position, fe in enumerate((*equations, None)):
+        if fe is not None and fe.recompute_of is not None:
+            start = position if start is None else start
+            continue
+        if start is not None:
+            group = equations[start:position]
+            written = {o for g in group for o in g.outputs}
+            operands = dict.fromkeys(r for g in group for r in g.inputs if isinstance(r, int) and r not in written)
+            anchor = equations[start - 1].outputs[:1] if start > 0 else ()
+            barriers[start] = (tuple(operands), anchor)
+        start = None
+    return barriers
 
 
 def chain_function(

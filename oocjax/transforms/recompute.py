@@ -1,0 +1,151 @@
+"""Recomputation, the transforms side: which equations may run twice, and a planner rewrite as a flat program.
+
+``schedule.recompute`` decides, over the pure-Python ``Program``, which values to drop and compute
+again (RECOMPUTE.md section 5). Two things it cannot know live here:
+
+* **May an equation run twice?** (``recomputable_steps``). Only if running it again gives the same
+  results and does nothing else. Per primitive, a rule in ``recompute_rules`` says why not (or
+  ``None``); a primitive without a rule gets ``_default_recompute_rule``: refused if it has effects
+  (a print, an ``io_callback``, a side-effecting FFI call: running it twice would do it twice),
+  else allowed after the same check on every equation of the jaxprs it holds. Random numbers from
+  explicit keys are allowed: a JAX key is a value, so a copy of ``random_bits`` on the same key
+  gives the same bits (this is also what ``jax.checkpoint`` relies on).
+* **The rewrite as equations** (``apply_rewrite``): per step of ``Rewrite.program``, the original
+  equation it runs, on the rewrite's buffer ids. Copies are marked (``FlatEquation.recompute_of``),
+  so that ``transforms.segment`` can keep XLA from merging a copy with its original again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from oocjax.schedule.program import Step
+from oocjax.schedule.recompute import Rewrite
+from oocjax.transforms import _compat as jc
+from oocjax.transforms.analyse import FlatEquation, FlatProgram, Ref
+
+RecomputeRule = Callable[[jc.JaxprEqn], str | None]  # why an equation may not run twice; None: it may
+
+
+def _refuse(reason: str) -> RecomputeRule:
+    return lambda eqn: reason
+
+
+recompute_rules: dict[str, RecomputeRule] = {
+    # A transfer between memories (or devices) inside the step: a copy would move the bytes again,
+    # over the link the plan's own transfers use, at a cost the planner does not count.
+    jc.device_put_p.name: _refuse("it is a transfer (device_put): a copy would move its bytes again"),
+    # XLA's stateful generator: its bits depend on how many draws came before, not on operands.
+    "rng_uniform": _refuse("it draws from XLA's stateful generator: a second run gives other bits"),
+    # Declared pure, so JAX may call it twice too; but it runs Python on the host, whose time the
+    # planner cannot estimate, so recomputing it could cost more than moving its result.
+    "pure_callback": _refuse("it calls back into Python on the host, at a cost the planner cannot estimate"),
+    # Opaque higher-order equations (scan, while, cond, custom_jvp_call, custom_vjp_call) take the
+    # default rule: without effects a jaxpr is a function of its operands, so running it again gives
+    # the same results; the default rule also checks their bodies equation by equation, because a
+    # body may hold a primitive refused above (a device_put, a stateful draw) that has no effect.
+}
+
+
+def why_not_recomputable(eqn: jc.JaxprEqn) -> str | None:
+    """Why ``eqn`` may not run twice, or ``None`` if it may.
+
+    >>> import jax, jax.numpy as jnp
+    >>> eqns = jax.make_jaxpr(lambda k: jax.random.normal(k, (2,)))(jax.random.key(0)).eqns
+    >>> [why_not_recomputable(e) for e in eqns]
+    [None]
+    """
+    rule = recompute_rules.get(eqn.primitive.name, _default_recompute_rule)
+    return rule(eqn)
+
+
+def _default_recompute_rule(eqn: jc.JaxprEqn) -> str | None:
+    if eqn.effects:
+        names = ", ".join(sorted(type(effect).__name__ for effect in eqn.effects))
+        return f"it has effects ({names}): running it twice would perform them twice"
+    for _, body in jc.sub_jaxprs(eqn.params):
+        reason = _why_not_body(getattr(body, "jaxpr", body))
+        if reason is not None:
+            return f"its {eqn.primitive.name} body holds an equation that may not run twice: {reason}"
+    return None
+
+
+@functools.lru_cache(maxsize=1024)  # unrolled layers hold the same bodies: check each once
+def _why_not_body(jaxpr: jc.Jaxpr) -> str | None:
+    return next((r for eqn in jaxpr.eqns if (r := why_not_recomputable(eqn)) is not None), None)
+
+
+def recomputable_steps(flat: FlatProgram) -> tuple[bool, ...]:
+    """Per flat equation (a step of the program ``to_program`` builds), whether it may run twice:
+    the ``recomputable`` argument of ``schedule.recompute`` is ``recomputable_steps(flat).__getitem__``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from oocjax.transforms.analyse import flatten
+    >>> def f(x):
+    ...     jax.debug.print("x = {}", x)
+    ...     return jnp.sin(x)
+    >>> recomputable_steps(flatten(jax.make_jaxpr(f)(1.0)))
+    (False, True)
+    """
+    return tuple(why_not_recomputable(fe.eqn) is None for fe in flat.equations)
+
+
+def apply_rewrite(flat: FlatProgram, rewrite: Rewrite) -> FlatProgram:
+    """The flat program that runs ``rewrite.program`` step for step.
+
+    Each new step binds the equation of its original step (``rewrite.origin_step``) on the new
+    buffers: an operand is the buffer the step reads that holds the original operand's value
+    (``rewrite.origin_buffer``), literals stay. Copies get ``recompute_of``: the index, in the
+    returned program, of the original equation they run again.
+
+    Args:
+      flat: the flat program ``rewrite`` was made from (its ``to_program`` is the rewrite's input).
+      rewrite: a rewrite of that program (``recompute_program``, ``choose_recompute``).
+
+    Raises:
+      ValueError: if ``rewrite`` does not fit ``flat`` (another program's rewrite).
+    """
+    origin_buffer, copied = rewrite.origin_buffer, set(rewrite.copied_steps)
+    original_steps = len(rewrite.origin_step) - len(copied)
+    original_buffers = len(origin_buffer) - sum(len(rewrite.program.steps[i].writes) for i in copied)
+    if (original_steps, original_buffers) != (len(flat.equations), len(flat.avals)):
+        raise ValueError(
+            f"the rewrite was not made from this flat program: it rewrites {original_steps} steps of "
+            f"{original_buffers} buffers, the flat program has {len(flat.equations)} equations of "
+            f"{len(flat.avals)} buffers"
+        )
+    original_at: dict[int, int] = {}  # original equation -> its index in the new program
+    equations = []
+    for i, (s, step) in enumerate(zip(rewrite.origin_step, rewrite.program.steps, strict=True)):
+        fe = _remapped(flat.equations[s], step, origin_buffer, i)
+        if i in copied:
+            equations.append(FlatEquation(fe.eqn, fe.inputs, fe.outputs, recompute_of=original_at[s]))
+        else:
+            original_at[s] = i
+            equations.append(fe)
+    return FlatProgram(
+        equations=tuple(equations),
+        avals=tuple(flat.avals[b] for b in origin_buffer),
+        num_inputs=flat.num_inputs,
+        constants=flat.constants,
+        outputs=flat.outputs,
+        loops=flat.loops,
+        dead_equations=flat.dead_equations,
+    )
+
+
+def _remapped(fe: FlatEquation, step: Step, origin_buffer: tuple[int, ...], i: int) -> FlatEquation:
+    """``fe`` on the buffers ``step`` reads and writes. The step lists each read once and no
+    literals, so operands are matched by the original value each buffer holds, not by position."""
+    holding = {origin_buffer[b]: b for b in step.reads}
+    if len(holding) != len(step.reads) or holding.keys() != {r for r in fe.inputs if isinstance(r, int)}:
+        raise ValueError(f"step {i} of the rewrite does not read one version of each operand of its equation")
+    writes = tuple(origin_buffer[w] for w in step.writes)
+    if writes != fe.outputs:
+        raise ValueError(f"step {i} of the rewrite writes {writes} where its equation writes {fe.outputs}")
+
+    def version(r: Ref) -> Ref:
+        return holding[r] if isinstance(r, int) else r
+
+    return FlatEquation(fe.eqn, tuple(map(version, fe.inputs)), step.writes)
