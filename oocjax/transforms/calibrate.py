@@ -1,0 +1,219 @@
+"""Measured device rates: a ``DeviceProfile`` for the device at hand, and the segment timings that
+calibrate the cost model against it.
+
+The planner's cost model (``schedule.cost``) prices a step by its flops and bytes at a device's
+sustained rates and a transfer by a per-copy latency plus its bytes over the link's bandwidth. The
+published figures in ``PROFILES`` are rough; swap-or-recompute decisions need the device's own
+(RECOMPUTE.md section 5, "Costs"): a matmul rate and a memory rate measured once, a link measured
+per direction as bandwidth *and* latency (eager 4 MiB copies ran at 12-14 GB/s on an H200 where
+256 MiB ones ran at 50 GB/s: JAX_XLA_NOTES.md, "Measured on a real GPU"), then the per-step
+estimates fitted to the times of the compiled segments (``time_segments``, then
+``schedule.cost.calibrate_program_costs``), as Capuchin and PoocH profile a first iteration.
+
+``measure_profile`` takes about a second on a 2-core CPU and is cached per device kind in the
+process; sizes grow with the device (a few milliseconds of work per timed call on each).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from oocjax.schedule.cost import DEFAULT_PROFILE, PROFILES, DeviceProfile
+from oocjax.schedule.segments import Segment
+from oocjax.schedule.units import MiB
+from oocjax.transforms.segment import segment_functions
+from oocjax.transforms.trace import TracedStep
+
+_GiB = 1024 * MiB
+_MEASURED: dict[tuple[str, str], DeviceProfile] = {}  # (platform, device kind) -> its measured profile
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeSizes:
+    """How big the timed operations are on one device.
+
+    Attributes:
+      matmul_n: side of the square float32 matmul (a few milliseconds of work).
+      elementwise_bytes: size of the float32 array an element-wise op reads (and writes as much).
+      copy_bytes: the two copy sizes the link's latency and bandwidth are fitted from.
+    """
+
+    matmul_n: int
+    elementwise_bytes: int
+    copy_bytes: tuple[int, int]
+
+    @classmethod
+    def for_device(cls, device: Any) -> ProbeSizes:
+        """Sizes for ``device``. A CPU keeps them cache- and page-fault-friendly (a 64 MiB result
+        is written at a third of the 16 MiB rate there, for fresh pages); an accelerator gets work
+        long enough to time, within a small share of its memory."""
+        if device.platform == "cpu":
+            return cls(matmul_n=512, elementwise_bytes=16 * MiB, copy_bytes=(MiB, 16 * MiB))
+        limit = (device.memory_stats() or {}).get("bytes_limit", 16 * _GiB)
+        n = 8192 if limit // 8 >= 3 * 8192**2 * 4 else 4096  # three n x n float32 arrays
+        # 2 GiB read and 2 GiB written take about a millisecond at 3-5 TB/s: long enough to time.
+        return cls(matmul_n=n, elementwise_bytes=min(2 * _GiB, limit // 32), copy_bytes=(MiB, 64 * MiB))
+
+
+def default_profile(device: Any = None) -> DeviceProfile:
+    """The published profile that best describes ``device`` (default: the first device):
+    ``PROFILES["cpu"]`` on a CPU, the matching NVIDIA part by its device kind, else
+    ``DEFAULT_PROFILE``."""
+    device = jax.devices()[0] if device is None else device
+    if device.platform == "cpu":
+        return PROFILES["cpu"]
+    kind = device.device_kind.upper()
+    for token, name in (("GH200", "gh200"), ("H200", "h200"), ("H100 PCIE", "h100-pcie"), ("H100", "h100-sxm")):
+        if token in kind:
+            return PROFILES[name]
+    return DEFAULT_PROFILE
+
+
+def measure_profile(device: Any = None, *, budget_s: float = 1.0, refresh: bool = False) -> DeviceProfile:
+    """The rates of ``device`` (default: the first device), measured once per device kind.
+
+    Times, best of a few calls each: a jitted float32 matmul at the default precision, as a
+    float32 training step runs it (TF32 on recent NVIDIA GPUs) (``flops_per_s``); a jitted
+    element-wise op over a large array (``hbm_bytes_per_s``, bytes read plus written); eager
+    ``jax.device_put`` to ``pinned_host`` and back at two sizes, fitted per direction as a
+    latency plus bytes over bandwidth. ``op_overhead_s`` is the published profile's
+    (``default_profile``). The rates are what one large, well-shaped kernel reaches, so they err
+    fast: a training step's smaller matmuls, convolutions and unfused estimates run slower, and
+    ``calibrate_program_costs`` on timed segments (``time_segments``) fits that.
+
+    Args:
+      device: a ``jax.Device``.
+      budget_s: seconds of repeated timing allowed beyond compiling (split over the four
+        measurements; each still runs at least twice).
+      refresh: measure again even if this process already measured this kind of device.
+
+    >>> profile = measure_profile()
+    >>> profile.flops_per_s > 0 and profile.h2d_latency_s >= 0 and measure_profile() is profile
+    True
+    """
+    device = jax.devices()[0] if device is None else device
+    key = (device.platform, device.device_kind)
+    if key in _MEASURED and not refresh:
+        return _MEASURED[key]
+    sizes, share = ProbeSizes.for_device(device), budget_s / 4
+    d2h, h2d = _link_fits(device, sizes.copy_bytes, share)
+    measured = replace(
+        default_profile(device),
+        name=f"measured {device.device_kind}",
+        flops_per_s=_matmul_rate(device, sizes.matmul_n, share),
+        hbm_bytes_per_s=_memory_rate(device, sizes.elementwise_bytes, share),
+        h2d_bytes_per_s=h2d.bytes_per_s,
+        d2h_bytes_per_s=d2h.bytes_per_s,
+        copy_latency_s=(h2d.latency_s + d2h.latency_s) / 2,
+        h2d_latency_s=h2d.latency_s,
+        d2h_latency_s=d2h.latency_s,
+        source=f"measured by oocjax.transforms.calibrate.measure_profile on {device} ({sizes})",
+    )
+    _MEASURED[key] = measured
+    return measured
+
+
+def _best_seconds(call: Callable[[], Any], budget_s: float, *, least: int = 2, most: int = 20) -> float:
+    """The fastest of repeated timed calls (after one untimed call that compiles and warms up):
+    the least disturbed run is the closest to the device's rate."""
+    jax.block_until_ready(call())
+    best, spent, runs = math.inf, 0.0, 0
+    while runs < least or (spent < budget_s and runs < most):
+        started = time.perf_counter()
+        jax.block_until_ready(call())
+        elapsed = time.perf_counter() - started
+        best, spent, runs = min(best, elapsed), spent + elapsed, runs + 1
+    return best
+
+
+def _matmul_rate(device: Any, n: int, budget_s: float) -> float:
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    matmul = jax.jit(jnp.matmul)
+    return 2 * n**3 / _best_seconds(lambda: matmul(a, a), budget_s)
+
+
+def _memory_rate(device: Any, nbytes: int, budget_s: float) -> float:
+    x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
+    scale = jax.jit(lambda v: v * 2.0 + 1.0)  # one fused loop: reads and writes each element once
+    return 2 * x.nbytes / _best_seconds(lambda: scale(x), budget_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkFit:
+    """One direction of the host link: a copy of ``n`` bytes takes ``latency_s + n / bytes_per_s``."""
+
+    bytes_per_s: float
+    latency_s: float
+
+    @classmethod
+    def through(cls, small: tuple[int, float], large: tuple[int, float]) -> LinkFit:
+        """The line through two (bytes, seconds) points. Where timing noise makes it meaningless
+        (not rising, or reaching zero time above zero bytes), the line through the origin and the
+        large copy instead: no latency, its average rate (the large copy is the one to get right)."""
+        (n0, t0), (n1, t1) = small, large
+        rate = (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+        latency = t0 - n0 / rate if rate > 0 else -1.0
+        if latency < 0:
+            return cls(bytes_per_s=n1 / t1, latency_s=0.0)
+        return cls(bytes_per_s=rate, latency_s=latency)
+
+
+def _link_fits(device: Any, copy_bytes: tuple[int, int], budget_s: float) -> tuple[LinkFit, LinkFit]:
+    """(device-to-host, host-to-device) fits from eager copies to ``pinned_host`` and back."""
+    on_host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    points: dict[str, list[tuple[int, float]]] = {"d2h": [], "h2d": []}
+    for nbytes in copy_bytes:
+        x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), on_device)
+        h = jax.block_until_ready(jax.device_put(x, on_host))
+        points["d2h"].append((x.nbytes, _best_seconds(partial(jax.device_put, x, on_host), budget_s / 2)))
+        points["h2d"].append((x.nbytes, _best_seconds(partial(jax.device_put, h, on_device), budget_s / 2)))
+    return LinkFit.through(*points["d2h"]), LinkFit.through(*points["h2d"])
+
+
+def time_segments(
+    traced: TracedStep, flat_args: Sequence[Any], segments: Sequence[Segment], *, repeats: int = 5
+) -> list[tuple[range, float]]:
+    """Per segment, its steps and the median seconds of its compiled program, run on real values.
+
+    The segments run in order once (that also compiles them), each on the results of the ones
+    before, then each is timed ``repeats`` times more on the same arguments. Nothing is donated,
+    so that a segment can run again on its arguments. The result is what
+    ``schedule.cost.calibrate_program_costs(traced.program, ...)`` fits.
+
+    Args:
+      traced: the step (``trace.trace_step``).
+      flat_args: its arguments as the flat leaves it was traced with (for positional arguments
+        without static ones, ``jax.tree.leaves(args)``), as arrays.
+      segments: consecutive segments of ``traced.program`` from its first step
+        (``schedule.segments.cut_segments``).
+      repeats: timed runs per segment.
+
+    Raises:
+      ValueError: for a number of arguments other than the traced step's.
+    """
+    flat = traced.flat
+    if len(flat_args) != flat.num_inputs:
+        raise ValueError(f"the traced step takes {flat.num_inputs} flat arguments, got {len(flat_args)}")
+    kept = [replace(segment, donated=()) for segment in segments]  # timing reruns a segment on its arguments
+    values: dict[int, Any] = {**dict(enumerate(flat_args)), **dict(flat.constants)}
+    timings = []
+    for segment, function in zip(kept, segment_functions(flat, kept), strict=True):
+        arguments = [values[b] for b in segment.inputs]
+        values.update(zip(segment.outputs, jax.block_until_ready(function(*arguments)), strict=True))
+        seconds = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            jax.block_until_ready(function(*arguments))
+            seconds.append(time.perf_counter() - started)
+        timings.append((range(segment.start, segment.stop), statistics.median(seconds)))
+    return timings
