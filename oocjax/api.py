@@ -12,7 +12,6 @@ second call with the same shapes neither traces nor plans again):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import warnings
@@ -24,14 +23,14 @@ import jax
 from oocjax.arguments import ArgumentSpec
 from oocjax.budget import resolve_budget
 from oocjax.errors import OocError
-from oocjax.pipeline import BuiltStep, PlannerOptions, build
+from oocjax.pipeline import MAX_RUNTIME_REPLANS, PlannerOptions, StepPlanner
 from oocjax.plan import Plan
 from oocjax.schedule import format_bytes
 from oocjax.transforms.execute import segment_specs
 from oocjax.transforms.memories import memory_kind, sharding
 from oocjax.transforms.trace import TracedStep, trace_arguments
 
-MAX_RUNTIME_REPLANS = 3  # plans made again after calls measured over the budget on the device
+__all__ = ["MAX_RUNTIME_REPLANS", "OocJitted", "Plan", "ooc_jit", "to_device", "to_host"]
 
 
 def ooc_jit(
@@ -95,8 +94,7 @@ class OocJitted:
         self.budget_bytes = budget_bytes
         self.options = options
         self._traces: dict[Any, TracedStep] = {}  # per signature
-        self._cache: dict[Any, BuiltStep] = {}  # per signature and arguments held by the caller
-        self._runtime_replans: dict[Any, int] = {}
+        self._planners: dict[Any, StepPlanner] = {}  # per signature and arguments held by the caller
         # One call at a time per step: a plan holds the budget for one call, and what one call
         # leaves in flight is counted by the next; two calls at once would each take the budget.
         # Different steps have their own locks, and their budgets do not add up.
@@ -109,7 +107,8 @@ class OocJitted:
             return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        key, traced, built = self._entry(args, kwargs)
+        traced, planner = self._entry(args, kwargs)
+        built = planner.built
         if built.executor is None:
             if any(memory_kind(x) == "pinned_host" for x in self.arguments.dynamic_leaves(args, kwargs)):
                 # jax.jit refuses arithmetic on host memory: host-kept state goes to the device first.
@@ -134,7 +133,9 @@ class OocJitted:
             if consumed:
                 error.add_note(_consumed_note(traced, consumed))
             raise
-        self._learn(key, traced, built)
+        warning = planner.after_call(built.executor.measured_peak_bytes)
+        if warning:
+            warnings.warn(f"oocjax: a call of {_name(self.fun)} {warning}", stacklevel=3)
         _delete_unreturned(host_donated, results)
         return jax.tree.unflatten(traced.out_tree, results)
 
@@ -142,7 +143,7 @@ class OocJitted:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``s), without running the step.
         Its segments are compiled (once per signature, as a call would): their memory is measured."""
         with self._lock:
-            return self._entry(args, kwargs)[2].plan
+            return self._entry(args, kwargs)[1].built.plan
 
     def lower(
         self, *args: Any, lowering_platforms: Sequence[str] | None = None, **kwargs: Any
@@ -151,7 +152,7 @@ class OocJitted:
         CPU-only machine: ``jax.jit``'s one program when nothing moves, else one lowered program
         per segment, in execution order (transfers run between them)."""
         with self._lock:
-            built = self._entry(args, kwargs)[2]
+            built = self._entry(args, kwargs)[1].built
         if built.executor is None:
             specs = self.arguments.device_specs(args, kwargs)
             return self._jitted.trace(*specs[0], **specs[1]).lower(lowering_platforms=lowering_platforms)
@@ -160,36 +161,9 @@ class OocJitted:
             for function, specs in zip(built.segment_functions, segment_specs(built.plan.jaxpr))
         )
 
-    def _learn(self, key: Any, traced: TracedStep, built: BuiltStep) -> None:
-        """After a call the device measured over the budget (its allocator's overhead, which no
-        estimate sees), plans again with that much more headroom, up to ``MAX_RUNTIME_REPLANS``
-        times; warns either way, since that call did go over."""
-        measured = built.executor.measured_peak_bytes
-        if measured is None or measured <= self.budget_bytes:
-            return
-        over = measured - self.budget_bytes
-        message = (
-            f"oocjax: a call of {_name(self.fun)} measured {format_bytes(measured)} on the device, "
-            f"{format_bytes(over)} over its budget of {format_bytes(self.budget_bytes)}"
-        )
-        replans = self._runtime_replans.get(key, 0)
-        if replans >= MAX_RUNTIME_REPLANS:
-            warnings.warn(f"{message}; planned again {replans} times already: raise headroom_bytes", stacklevel=3)
-            return
-        headroom = min(built.plan.headroom_bytes + over + over // 4, self.budget_bytes - 1)
-        self._runtime_replans[key] = replans + 1
-        options = dataclasses.replace(self.options, headroom_bytes=headroom)
-        try:
-            rebuilt = build(traced, self.budget_bytes, options, held_by_caller=key[1])
-        except OocError as error:  # the call itself succeeded: keep what ran, and say why it stays over
-            warnings.warn(f"{message}; a plan with {format_bytes(headroom)} of headroom fails: {error}", stacklevel=3)
-            return
-        warnings.warn(f"{message}; planned again with {format_bytes(headroom)} of headroom", stacklevel=3)
-        self._cache[key] = rebuilt
-
-    def _entry(self, args: tuple, kwargs: dict) -> tuple[Any, TracedStep, BuiltStep]:
-        """The call's key (its signature and which arguments the caller holds on the device), its
-        trace and what it runs (built on first use)."""
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[TracedStep, StepPlanner]:
+        """The call's trace and its planner (made on first use), per signature and which arguments
+        the caller holds on the device."""
         with self._lock:
             signature = self.arguments.signature(args, kwargs)
             if signature not in self._traces:
@@ -198,12 +172,12 @@ class OocJitted:
             leaves = self.arguments.dynamic_leaves(args, kwargs)
             held = tuple(not gave and not _on_host(x) for x, gave in zip(leaves, traced.donated))
             key = signature, held
-            if key not in self._cache:
+            if key not in self._planners:
                 on_host = sum(_nbytes(x) for x in leaves if _on_host(x))
-                self._cache[key] = build(
+                self._planners[key] = StepPlanner(
                     traced, self.budget_bytes, self.options, held_by_caller=held, host_bytes_in_use=on_host
                 )
-            return key, traced, self._cache[key]
+            return traced, self._planners[key]
 
 
 def _name(fun: Callable) -> str:
@@ -233,7 +207,7 @@ def _delete_unreturned(donated: Sequence[Any], results: Sequence[Any]) -> None:
 
 def _consumed_note(traced: TracedStep, consumed: Sequence[int]) -> str:
     names = [traced.program.buffers[i].label.removeprefix("argument ") for i in consumed]
-    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    shown = ", ".join(names)  # every one: the caller must know exactly which leaves to rebuild
     return (
         f"oocjax: the failed call had already consumed {len(names)} donated argument(s) kept in device memory; "
         f"their buffers are gone: {shown}. Donated arguments kept in host memory are intact."

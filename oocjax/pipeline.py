@@ -20,6 +20,7 @@ from oocjax.budget import available_host_bytes, resolve_bytes
 from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.plan import Plan
 from oocjax.schedule import MiB, Program, Schedule, format_bytes, plan_window, required_bytes, simulate, validate
+from oocjax.schedule.hybrid import RECOMPUTE_MODES, HybridPlan, plan_hybrid
 from oocjax.schedule.segments import (
     Segment,
     SegmentCost,
@@ -29,11 +30,15 @@ from oocjax.schedule.segments import (
     with_measured_scratch,
 )
 from oocjax.transforms import _compat as jc
+from oocjax.transforms.analyse import FlatProgram
+from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.execute import ChainExecutor, compile_segments
+from oocjax.transforms.recompute import apply_rewrite, recomputable_steps
 from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
 from oocjax.transforms.trace import TracedStep
 
 MAX_REPLANS = 4  # closed loop on the budget: re-plans after the compiled segments came out too large
+MAX_RUNTIME_REPLANS = 3  # plans made again after calls measured over the budget on the device
 # A segment launch costs tens of microseconds of Python and runtime work: below this much work a
 # segment is merged with the next one where memory allows (about a millisecond of work).
 DEFAULT_MIN_SEGMENT_FLOPS = {"cpu": 10**8, "gpu": 4 * 10**11, "cuda": 4 * 10**11, "rocm": 4 * 10**11}
@@ -65,6 +70,7 @@ class PlannerOptions:
     min_segments: int = 1
     headroom_bytes: int = 0
     host_budget: int | None = None  # None: what the machine has available when the step is planned
+    recompute: Any = "auto"  # "auto", "off", "always" or a policy (schedule.hybrid.RecomputePolicy)
 
     @classmethod
     def read(cls, options: dict[str, Any], platform: str, budget_bytes: int) -> PlannerOptions:
@@ -83,6 +89,13 @@ class PlannerOptions:
                 read[name] = resolve_bytes(name, options[name], allow_zero=name not in ("window_bytes", "host_budget"))
         if read["headroom_bytes"] >= budget_bytes:
             raise ValueError(f"headroom_bytes ({read['headroom_bytes']}) must be below the budget ({budget_bytes})")
+        if options.get("recompute") is not None:
+            if not callable(options["recompute"]) and options["recompute"] not in RECOMPUTE_MODES:
+                raise ValueError(
+                    f"recompute must be one of {RECOMPUTE_MODES} or a function (name, label) -> True/False/None; "
+                    f"got {options['recompute']!r}"
+                )
+            read["recompute"] = options["recompute"]
         for name in ("min_segment_flops", "min_segments"):
             if name in options:
                 read[name] = _count(name, options[name], smallest=0 if name == "min_segment_flops" else 1)
@@ -102,80 +115,155 @@ class BuiltStep:
 
     plan: Plan
     executor: ChainExecutor | None
-    input_kinds: tuple[str, ...]
     segment_functions: tuple[Callable, ...] = ()
 
+    @property
+    def input_kinds(self) -> tuple[str, ...]:
+        return self.plan.input_kinds
 
-def build(
-    traced: TracedStep,
-    budget_bytes: int,
-    options: PlannerOptions,
-    *,
-    held_by_caller: tuple[bool, ...] = (),
-    host_bytes_in_use: int = 0,
-) -> BuiltStep:
-    """Plans, cuts and compiles a traced step until its measured peak holds ``budget_bytes`` less
-    ``options.headroom_bytes``.
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Budget:
+    """What "budget" means for one plan, in one place.
+
+    Attributes:
+      user_bytes: the user's budget (``ooc_jit(budget=...)``): what a call may use on the device.
+      headroom_bytes: left free within it for the device allocator's own overhead.
+    """
+
+    user_bytes: int
+    headroom_bytes: int
+
+    @property
+    def planned_bytes(self) -> int:
+        """What plans, segments and the executor's gate hold to."""
+        return self.user_bytes - self.headroom_bytes
+
+
+class StepPlanner:
+    """One signature's plans: made, measured and made again, in one loop.
+
+    * **Choose** (``schedule.plan_hybrid``): swap only, or recompute and swap, by simulated time
+      with the device's measured rates.
+    * **Compile and measure**: when compiled segments measure over the planned budget, their
+      excess becomes scratch of their steps and the program is planned again (``MAX_REPLANS``).
+    * **Run and measure** (``after_call``): a call the allocator measured over the user's budget
+      is planned again with more headroom (``MAX_RUNTIME_REPLANS``).
+
+    Compiled programs are shared by every plan it makes: a segment that did not change compiles once.
     ``held_by_caller`` marks the flat arguments the caller passes in device memory and keeps (not
-    donated): they stay on the device for the whole step, and the plan counts them there.
-    ``host_bytes_in_use`` is host memory the arguments already take: in the plan's host peak, but
-    not in what the machine has available. Every plan and its chain of segments are checked by the
-    simulator before anything runs.
+    donated): they stay on the device, and every plan counts them there. ``host_bytes_in_use`` is
+    host memory the arguments already take (in the plans' host peak, not in what is available).
+    """
 
-    Raises ``BudgetInfeasibleError`` when no plan fits, and ``OocError`` when the compiled segments
-    still measure over the budget after ``MAX_REPLANS`` plans, or the plan needs more host memory
-    than ``options.host_budget``."""
-    program = _with_held_by_caller(traced.program, held_by_caller)
-    user_budget, budget_bytes = budget_bytes, budget_bytes - options.headroom_bytes
-    planned_for, history, worst_text = budget_bytes, [], ""
-    host_budget = _host_budget(options, host_bytes_in_use)
-    compiled: dict = {}  # shared across re-plans: a segment that did not change compiles once
-    while True:
-        schedule = _plan(program, planned_for, budget_bytes, options, history, worst_text)
-        _check_host_peak(program, schedule, host_budget, options.host_budget is None)
-        described = _description(traced, schedule, user_budget, options.headroom_bytes)
-        input_kinds = described["input_kinds"]
-        if schedule.moves_nothing and options.min_segments <= 1:  # jax.jit's own program
-            return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None, input_kinds)
-        cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments)
-        segments = cut_segments(program, schedule, budget_bytes=planned_for, **cuts)
-        _refuse_invalid("chain of segments", check_segments(program, schedule, segments))
-        _refuse_tokens_between(segments, traced.flat.avals)
-        functions, chain = _chain(traced, program, schedule, segments, input_kinds)
-        programs, costs = compile_segments(chain, functions, compiled)
-        peak, worst = executed_peak(segments, costs)
-        history.append((planned_for, peak))
-        if peak <= budget_bytes:
-            break
-        worst_text = _worst_segment(program, segments[worst], costs[worst])
-        if len(history) > MAX_REPLANS:
-            smallest = max(required_bytes(program, options.min_offload_bytes))
-            raise OocError(_over_budget_message(budget_bytes, history, smallest) + worst_text)
-        # Some compiled segments came out larger than estimated (XLA's scratch, padding): plan
-        # again with that excess as scratch of their steps, so that less is held around them.
-        program = with_measured_scratch(program, segments, costs, budget_bytes)
-    plan = Plan.build(
-        program=program,
-        jaxpr=chain,
-        segments=segments,
-        segment_costs=tuple(costs),
-        executed_peak_bytes=peak,
-        attempts=tuple(measured for _, measured in history),
-        **described,
-    )
-    return BuiltStep(plan, ChainExecutor(chain, programs, costs, budget_bytes, functions), input_kinds, functions)
+    def __init__(
+        self,
+        traced: TracedStep,
+        budget_bytes: int,
+        options: PlannerOptions,
+        *,
+        held_by_caller: tuple[bool, ...] = (),
+        host_bytes_in_use: int = 0,
+    ):
+        self.traced, self.options = traced, options
+        self.program = _with_held_by_caller(traced.program, held_by_caller)
+        self.host_budget = _host_budget(options, host_bytes_in_use)
+        self.compiled: dict = {}
+        self.runtime_replans = 0
+        self.budget = Budget(user_bytes=budget_bytes, headroom_bytes=options.headroom_bytes)
+        self.built = self._build(self.budget)
+
+    def after_call(self, measured_peak_bytes: int | None) -> str | None:
+        """After a call: if the device measured it over the budget (the allocator's overhead, which no
+        estimate sees), plans again with that much more headroom, up to ``MAX_RUNTIME_REPLANS``
+        times. Returns what to warn about (that call did go over), or None."""
+        budget = self.budget
+        if measured_peak_bytes is None or measured_peak_bytes <= budget.user_bytes:
+            return None
+        over = measured_peak_bytes - budget.user_bytes
+        message = (
+            f"measured {format_bytes(measured_peak_bytes)} on the device, {format_bytes(over)} over its budget "
+            f"of {format_bytes(budget.user_bytes)}"
+        )
+        if self.runtime_replans >= MAX_RUNTIME_REPLANS:
+            return f"{message}; planned again {self.runtime_replans} times already: raise headroom_bytes"
+        self.runtime_replans += 1
+        headroom = min(budget.headroom_bytes + over + over // 4, budget.user_bytes - 1)
+        try:
+            more = Budget(user_bytes=budget.user_bytes, headroom_bytes=headroom)
+            self.built, self.budget = self._build(more), more
+        except OocError as error:  # the call itself succeeded: keep what ran, and say why it stays over
+            return f"{message}; a plan with {format_bytes(headroom)} of headroom fails: {error}"
+        return f"{message}; planned again with {format_bytes(headroom)} of headroom"
+
+    def _build(self, budget: Budget) -> BuiltStep:
+        """Plans, cuts and compiles until the compiled segments' measured peak holds the budget.
+
+        Raises ``BudgetInfeasibleError`` when no plan fits, and ``OocError`` when the segments still
+        measure over the budget after ``MAX_REPLANS`` plans, or a plan needs more host memory than
+        ``host_budget``. Every plan and its chain of segments are checked by the simulator first."""
+        options, traced = self.options, self.traced
+        choice = _choose(self.program, traced.flat, budget, options)
+        program, schedule, rewrite = choice.program, choice.schedule, choice.rewrite
+        flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
+        history, worst_text = [], ""
+        while True:
+            _check_host_peak(program, schedule, self.host_budget, options.host_budget is None)
+            described = _description(traced, choice, schedule, budget)
+            if schedule.moves_nothing and not rewrite.recomputed and options.min_segments <= 1:
+                return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None)
+            cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments)
+            cuts["cut_before"] = _copy_group_starts(rewrite) if _MERGES_COPIES.get(_platform()) else ()
+            segments = cut_segments(program, schedule, budget_bytes=budget.planned_bytes, **cuts)
+            _refuse_invalid("chain of segments", check_segments(program, schedule, segments))
+            _refuse_tokens_between(segments, flat.avals)
+            functions, chain = _chain(flat, program, schedule, segments, described["input_kinds"])
+            programs, costs = compile_segments(chain, functions, self.compiled)
+            peak, worst = executed_peak(segments, costs)
+            history.append((budget.planned_bytes, peak))
+            if peak <= budget.planned_bytes:
+                break
+            worst_text = _worst_segment(program, segments[worst], costs[worst])
+            if len(history) > MAX_REPLANS:
+                smallest = max(required_bytes(program, options.min_offload_bytes))
+                raise OocError(_over_budget_message(budget.planned_bytes, history, smallest) + worst_text)
+            # Some compiled segments came out larger than estimated (XLA's scratch, padding): plan
+            # again with that excess as scratch of their steps, so that less is held around them.
+            program = with_measured_scratch(program, segments, costs, budget.planned_bytes)
+            schedule = _plan(program, budget, options, history, worst_text)
+        measured = dict(segments=segments, segment_costs=tuple(costs), executed_peak_bytes=peak)
+        plan = Plan.build(program=program, jaxpr=chain, attempts=tuple(m for _, m in history), **measured, **described)
+        return BuiltStep(plan, ChainExecutor(chain, programs, costs, budget.planned_bytes, functions), functions)
 
 
-def _description(traced: TracedStep, schedule: Schedule, budget_bytes: int, headroom_bytes: int) -> dict:
+# XLA:CPU drops optimization barriers before its last common-subexpression pass, so inside one
+# program a recomputed value is merged back into its original (read in its HLO pass dumps): there a
+# copy must start a program of its own. XLA:GPU removes them only after scheduling.
+_MERGES_COPIES = {"cpu": True}
+
+
+def _platform() -> str:
+    return jax.devices()[0].platform
+
+
+def _copy_group_starts(rewrite: Any) -> tuple[int, ...]:
+    """The first step of each run of recomputed (copied) steps."""
+    copied = set(rewrite.copied_steps)
+    return tuple(k for k in sorted(copied) if k - 1 not in copied)
+
+
+def _description(traced: TracedStep, choice: HybridPlan, schedule: Schedule, budget: Budget) -> dict:
     """What a plan says whether or not anything moves (``Plan.build``'s shared keywords)."""
     kinds = tuple("pinned_host" if b in schedule.host_inputs else "device" for b in range(traced.flat.num_inputs))
     return dict(
         schedule=schedule,
         source_jaxpr=traced.jaxpr,
-        budget_bytes=budget_bytes,
+        budget_bytes=budget.user_bytes,
+        headroom_bytes=budget.headroom_bytes,
         in_core_program=traced.program,
-        headroom_bytes=headroom_bytes,
+        rewrite=choice.rewrite if choice.rewrite.recomputed else None,
+        step_time_s=choice.step_time_s,
+        swap_only_time_s=choice.swap_only_time_s,
         loops=traced.flat.loops,
         input_kinds=kinds,
         device=jax.devices()[0].device_kind,
@@ -245,47 +333,75 @@ def _refuse_tokens_between(segments: tuple[Segment, ...], avals: tuple) -> None:
         )
 
 
-def _chain(traced: TracedStep, program: Program, schedule: Any, segments: tuple, input_kinds: tuple) -> tuple:
+def _chain(flat: FlatProgram, program: Program, schedule: Any, segments: tuple, input_kinds: tuple) -> tuple:
     """One jitted function per segment, and the chain's jaxpr (transfers named for their values)."""
-    functions = tuple(segment_functions(traced.flat, segments))
+    functions = tuple(segment_functions(flat, segments))
     labels = [buffer.label for buffer in program.buffers]
-    chain = chain_function(traced.flat, schedule, segments, functions, labels)
-    return functions, chain_jaxpr(chain, traced.flat, input_kinds)
+    chain = chain_function(flat, schedule, segments, functions, labels)
+    return functions, chain_jaxpr(chain, flat, input_kinds)
 
 
-def _plan(program: Program, planned_for: int, budget: int, options: PlannerOptions, history: list, worst: str):
+def _choose(program: Program, flat: FlatProgram, budget: Budget, options: PlannerOptions) -> HybridPlan:
+    """The first plan of a budget: swap only, or recompute and swap (``schedule.plan_hybrid``), timed
+    with the device's measured rates (measured once per process)."""
+    profile = measure_profile()  # swap-only plans are timed too: the plan says how fast either would run
     try:
-        schedule = plan_window(program, planned_for, **options.window)
-    except BudgetInfeasibleError as error:
-        _refuse_for_held_arguments(program, error, options)
-        if history:
-            raise OocError(_over_budget_message(budget, history, error.required_bytes) + worst) from error
-        loop = OPAQUE_LOOPS.get(program.steps[error.step].name)
-        if loop is None and not options.headroom_bytes:
-            raise
-        note = (
-            ""
-            if loop is None
-            else (
-                f"\nThat operation is {loop}: oocjax runs it whole, as one operation holding all its iterations' "
-                "values, so it sets the floor whatever the model's depth. A Python loop over the layers (or no "
-                "remat) lets each layer be planned on its own."
-            )
+        choice = plan_hybrid(
+            program,
+            budget.planned_bytes,
+            recomputable=recomputable_steps(flat).__getitem__,
+            profile=profile,
+            recompute=options.recompute,
+            planner=_planner,
+            **options.window,
         )
-        if options.headroom_bytes:
-            note += (
-                f"\nThe plan leaves {format_bytes(options.headroom_bytes)} of the budget free for the device "
-                "allocator's own overhead (headroom_bytes): the budget must cover both."
-            )
-        raise BudgetInfeasibleError(
-            str(error) + note,
-            budget_bytes=error.budget_bytes,
-            required_bytes=error.required_bytes,
-            step=error.step,
-            where=error.where,
-        ) from None
+    except BudgetInfeasibleError as error:
+        _refuse_infeasible(program, error, budget, options)
+    _refuse_invalid("plan", validate(choice.program, choice.schedule))
+    return choice
+
+
+def _planner(program: Program, budget_bytes: int, **window: Any) -> Schedule:
+    return plan_window(program, budget_bytes, **window)  # looked up when called: tests replace it
+
+
+def _plan(program: Program, budget: Budget, options: PlannerOptions, history: list, worst: str) -> Schedule:
+    """A plan made again after the compiled segments measured over the budget."""
+    try:
+        schedule = plan_window(program, budget.planned_bytes, **options.window)
+    except BudgetInfeasibleError as error:
+        raise OocError(_over_budget_message(budget.planned_bytes, history, error.required_bytes) + worst) from error
     _refuse_invalid("plan", validate(program, schedule))
     return schedule
+
+
+def _refuse_infeasible(program: Program, error: BudgetInfeasibleError, budget: Budget, options: PlannerOptions):
+    """Raises the planner's error, saying what the user can do about it."""
+    _refuse_for_held_arguments(program, error, options)
+    loop = OPAQUE_LOOPS.get(program.steps[error.step].name)
+    if loop is None and not budget.headroom_bytes:
+        raise error
+    note = (
+        ""
+        if loop is None
+        else (
+            f"\nThat operation is {loop}: oocjax runs it whole, as one operation holding all its iterations' "
+            "values, so it sets the floor whatever the model's depth. A Python loop over the layers (or no "
+            "remat) lets each layer be planned on its own."
+        )
+    )
+    if budget.headroom_bytes:
+        note += (
+            f"\nThe plan leaves {format_bytes(budget.headroom_bytes)} of the budget free for the device "
+            "allocator's own overhead (headroom_bytes): the budget must cover both."
+        )
+    raise BudgetInfeasibleError(
+        str(error) + note,
+        budget_bytes=error.budget_bytes,
+        required_bytes=error.required_bytes,
+        step=error.step,
+        where=error.where,
+    ) from None
 
 
 def _refuse_for_held_arguments(program: Program, error: BudgetInfeasibleError, options: PlannerOptions) -> None:

@@ -37,6 +37,23 @@ class HostInputInfo:
     prefetch_before: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecomputeInfo:
+    """A value dropped after its early (forward) reads and computed again for its later ones.
+
+    Attributes:
+      label: where it comes from ("output of tanh from model.py:42").
+      nbytes: its size: what the device does not hold between the two.
+      dropped_after: the last equation that reads the original.
+      recomputed_at: the equation (of the step as it runs, copies included) that computes it again.
+    """
+
+    label: str
+    nbytes: int
+    dropped_after: int
+    recomputed_at: int
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class Plan:
     """The plan for one argument signature. Equation indices refer to ``source_jaxpr`` with nested
@@ -74,6 +91,11 @@ class Plan:
         it runs one iteration at a time or whole, as one operation).
       device: the device the step was planned and compiled for (``"cpu"``, ``"NVIDIA H200"``);
         empty for a plan built by hand.
+      recomputed: the values recomputed instead of kept or moved (``RecomputeInfo``); then
+        ``program`` holds the copies of their producing equations.
+      extra_flops: the work those copies add to the step.
+      step_time_s, swap_only_time_s: the simulated step time of this plan and of the swap-only plan
+        it was chosen against (on the device profile it was planned with; None where not compared).
     """
 
     budget_bytes: int
@@ -97,6 +119,10 @@ class Plan:
     headroom_bytes: int = 0
     loops: tuple[Any, ...] = ()
     device: str = ""
+    recomputed: tuple[RecomputeInfo, ...] = ()
+    extra_flops: int = 0
+    step_time_s: float | None = None
+    swap_only_time_s: float | None = None
 
     @classmethod
     def build(
@@ -108,13 +134,15 @@ class Plan:
         source_jaxpr: Any,
         budget_bytes: int | None = None,
         in_core_program: Program | None = None,
+        rewrite: Any = None,
         **measured: Any,
     ) -> Plan:
         """The plan of ``schedule`` for ``program``, simulated; ``measured`` sets the fields that
         come from tracing, compiling and running it (``segments``, ``segment_costs``,
         ``executed_peak_bytes``, ``attempts``, ``input_kinds``, ``headroom_bytes``, ``loops``, ``device``).
         ``in_core_program`` is the step as traced, where ``program`` has learnt measured scratch:
-        the in-core estimate stays that of the step, whatever the plans made on the way."""
+        the in-core estimate stays that of the step, whatever the plans made on the way.
+        ``rewrite`` (``schedule.Rewrite``) says which values ``program`` recomputes."""
         timeline = simulate(program, schedule)
         fetches = {b: [p.issue_step for p in ps] for b, ps in schedule.prefetches_by_buffer.items()}
         buffers = program.buffers
@@ -147,6 +175,8 @@ class Plan:
             schedule=schedule,
             timeline=timeline,
             baseline_timeline=baseline,
+            recomputed=() if rewrite is None else _recomputed(program, rewrite),
+            extra_flops=0 if rewrite is None else rewrite.extra_flops,
             **measured,
         )
 
@@ -160,10 +190,11 @@ class Plan:
 
         executed = "" if self.executed_peak_bytes is None else f", executed {format_bytes(self.executed_peak_bytes)}"
         on_host = f", {counted(len(self.host_inputs), 'argument')} kept on host" if self.host_inputs else ""
+        recomputed = f", {counted(len(self.recomputed), 'value')} recomputed" if self.recomputed else ""
         return (
             f"Plan(peak={format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}{executed}, "
             f"in-core {format_bytes(self.baseline_peak_bytes)}, {counted(len(self.segments), 'segment')}, "
-            f"{counted(len(self.offloads), 'offload')}{on_host}, {format_bytes(self.moved_bytes)} moved)"
+            f"{counted(len(self.offloads), 'offload')}{on_host}{recomputed}, {format_bytes(self.moved_bytes)} moved)"
         )
 
     # -- views (oocjax.render, oocjax.plotting) ------------------------------------------------
@@ -213,3 +244,22 @@ class Plan:
         from oocjax import plan_json
 
         return plan_json.loads(text)
+
+
+def _recomputed(program: Program, rewrite: Any) -> tuple[RecomputeInfo, ...]:
+    """Per recomputed value, where its original dies and where its copy is made."""
+    copy_of: dict[int, int] = {}  # original buffer -> the copy step that computes it again
+    for step in rewrite.copied_steps:
+        for b in program.steps[step].writes:
+            copy_of.setdefault(rewrite.origin_buffer[b], step)
+    reads = program.uses.read_at
+    return tuple(
+        RecomputeInfo(
+            label=program.buffers[b].label,
+            nbytes=program.buffers[b].nbytes,
+            dropped_after=reads[b][-1] if reads[b] else program.uses.defined_at[b],
+            recomputed_at=copy_of[b],
+        )
+        for b in rewrite.recomputed
+        if b in copy_of
+    )

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from operator import attrgetter
@@ -160,7 +160,7 @@ def recompute_program(
         unneeded = sorted(last_early.keys() - rebuild.copy_of.keys())
         skipped += [Skipped(buffer=t, reason="is not read after the split, and no copy needed it") for t in unneeded]
         skipped.sort(key=_BUFFER)
-        return rebuild.rewrite(skipped) if rebuild.copy_of else _identity(program, skipped)
+        return rebuild.rewrite(skipped) if rebuild.copy_of else identity_rewrite(program, skipped)
 
 
 def _rebuild_without_conflicts(program: Program, last_early: dict[int, int], skipped: list[Skipped]) -> _Rebuild:
@@ -350,7 +350,8 @@ def _copy_label(label: str, b: int) -> str:
     return f"recompute of {label or f'buffer {b}'}"
 
 
-def _identity(program: Program, skipped: Iterable[Skipped] = ()) -> Rewrite:
+def identity_rewrite(program: Program, skipped: Iterable[Skipped] = ()) -> Rewrite:
+    """``program`` as it is: the rewrite that recomputes nothing."""
     peak = max(_in_core_bytes(program), default=0)
     return Rewrite(
         program=program,
@@ -495,6 +496,7 @@ def choose_recompute(
     profile: DeviceProfile | str | None = None,
     min_offload_bytes: int = MiB,
     max_picks: int = 1000,
+    forced: Iterable[int] = (),
 ) -> Rewrite:
     """Chooses values to recompute so that the program holds less at its in-core peak.
 
@@ -511,6 +513,8 @@ def choose_recompute(
         default ``DEFAULT_PROFILE``.
       min_offload_bytes: the planner's threshold, for the ``required_bytes`` check.
       max_picks: a bound on the classes tried.
+      forced: buffers to recompute whatever the costs say (split at their longest gap), before
+        the selector adds its own.
 
     Returns:
       The rewrite of ``program`` (the identity if it already fits, or nothing helps); ``skipped``
@@ -525,27 +529,61 @@ def choose_recompute(
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     profile = resolve_profile(DEFAULT_PROFILE if profile is None else profile)
+    rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes)
     with gc_paused():
-        floor_fits = max(required_bytes(program, min_offload_bytes), default=0) <= budget_bytes
-        chosen, targets, rejected, skipped = _identity(program), {}, set(), []
-        for _ in range(max_picks):
-            device = _in_core_bytes(chosen.program)
-            if max(device, default=0) <= budget_bytes:
-                break
-            peak_step = device.index(max(device))
-            pick = _best_class(program, chosen, targets, peak_step, recomputable, profile, rejected)
-            if pick is None:
-                break
-            key, members, across = pick
-            widened = {**targets, **dict.fromkeys(members, across)}
-            trial = recompute_program(program, widened, recomputable=recomputable, across=widened)
-            why_not = _why_not_kept(trial, members, device, budget_bytes, floor_fits, min_offload_bytes)
-            if why_not is None:
-                chosen, targets = trial, widened
-            else:
-                rejected.add(key)
-                skipped += [Skipped(buffer=b, reason=why_not) for b in members]
+        return _greedy(program, budget_bytes, max_picks=max_picks, forced=forced, **rules)
+
+
+def _greedy(
+    program: Program,
+    budget_bytes: int,
+    *,
+    recomputable: Recomputable,
+    profile: DeviceProfile,
+    min_offload_bytes: int,
+    max_picks: int,
+    forced: Iterable[int],
+) -> Rewrite:
+    """``choose_recompute``'s loop: one class of candidates a pick, until the step fits in core."""
+    floor_fits = max(required_bytes(program, min_offload_bytes), default=0) <= budget_bytes
+    targets: dict[int, int | None] = dict.fromkeys(forced)
+    chosen = recompute_program(program, targets, recomputable=recomputable) if targets else identity_rewrite(program)
+    rejected, skipped = set(), []
+    for _ in range(max_picks):
+        device = _in_core_bytes(chosen.program)
+        if max(device, default=0) <= budget_bytes:
+            break
+        candidates = (
+            _best_class(program, chosen, targets, p, recomputable, profile, rejected)
+            for p in _pressure_points(device, budget_bytes)
+        )
+        pick = next(filter(None, candidates), None)
+        if pick is None:
+            break
+        key, members, across = pick
+        widened = {**targets, **dict.fromkeys(members, across)}
+        trial = recompute_program(program, widened, recomputable=recomputable, across=widened)
+        why_not = _why_not_kept(trial, members, device, budget_bytes, floor_fits, min_offload_bytes)
+        if why_not is None:
+            chosen, targets = trial, widened
+        else:
+            rejected.add(key)
+            skipped += [Skipped(buffer=b, reason=why_not) for b in members]
     return replace(chosen, skipped=(*chosen.skipped, *skipped))
+
+
+def _pressure_points(device: Sequence[int], budget: int, most: int = 8) -> list[int]:
+    """Steps to relieve, most loaded first: the peak, then the most loaded steps over the budget
+    elsewhere (the peak may sit where nothing can be recomputed, such as the optimizer's update,
+    while the forward/backward turn is over the budget too). One step per stretch of the program."""
+    apart = max(1, len(device) // (4 * most))
+    points: list[int] = []
+    for k in sorted(range(len(device)), key=lambda k: -device[k]):
+        if device[k] <= budget or len(points) == most:
+            break
+        if all(abs(k - p) >= apart for p in points):
+            points.append(k)
+    return points
 
 
 def _why_not_kept(

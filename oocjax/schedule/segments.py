@@ -28,7 +28,7 @@ A segment trades timing fidelity for dispatch cost, and memory for both:
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate, pairwise
 
@@ -199,7 +199,13 @@ class _Segmenter:
 
 
 def cut_segments(
-    program: Program, schedule: Schedule, *, budget_bytes: int, min_segment_flops: int = 0, min_segments: int = 1
+    program: Program,
+    schedule: Schedule,
+    *,
+    budget_bytes: int,
+    min_segment_flops: int = 0,
+    min_segments: int = 1,
+    cut_before: Iterable[int] = (),
 ) -> tuple[Segment, ...]:
     """Cuts a planned program into segments that each fit ``budget_bytes`` by the estimate.
 
@@ -208,6 +214,8 @@ def cut_segments(
       budget_bytes: the device budget every segment must fit, arguments and results included.
       min_segment_flops: merge a segment with less work into the next one where that still fits.
       min_segments: cut into at least this many segments (for measuring the executor's overhead).
+      cut_before: steps that must start a segment, never merged away (recomputed values, where
+        the compiler would merge a copy with its original inside one program).
 
     >>> from oocjax.schedule import Program, keep_all
     >>> p = Program.from_ops([("f", ["x"], ["y"]), ("g", ["y"], ["z"])], {"x": 8, "y": 8, "z": 8},
@@ -223,22 +231,23 @@ def cut_segments(
     cuts |= {m.done_before_step for m in schedule.offloads if m.done_before_step is not None}
     if min_segments > 1:
         cuts |= {n * i // min_segments for i in range(min_segments)}
-    bounds = [*sorted(c for c in cuts if c < n), n]
+    hard = frozenset(cut_before)
+    bounds = [*sorted(c for c in cuts | hard if c < n), n]
     ranges = [r for a, y in pairwise(bounds) for r in cutter.split_to_fit(a, y, budget_bytes)]
     if min_segments <= 1:
-        ranges = _merge_small(cutter, ranges, budget_bytes, min_segment_flops)
+        ranges = _merge_small(cutter, ranges, budget_bytes, min_segment_flops, hard)
     starts = [None, *(a for a, _ in ranges)]
     return tuple(cutter.segment(a, y, previous) for (a, y), previous in zip(ranges, starts))
 
 
 def _merge_small(
-    cutter: _Segmenter, ranges: list[tuple[int, int]], budget: int, min_flops: int
+    cutter: _Segmenter, ranges: list[tuple[int, int]], budget: int, min_flops: int, hard: frozenset[int]
 ) -> list[tuple[int, int]]:
     merged = [ranges[0]]
     for a, y in ranges[1:]:
         start, stop = merged[-1]
         small = cutter.flops(start, stop) < min_flops or cutter.flops(a, y) < min_flops
-        if small and cutter.fits_as_one(start, y) and cutter.estimate(start, y)[1] <= budget:
+        if small and a not in hard and cutter.fits_as_one(start, y) and cutter.estimate(start, y)[1] <= budget:
             merged[-1] = (start, y)
         else:
             merged.append((a, y))

@@ -362,6 +362,10 @@ class ChainExecutor:
             env[v] = x
             self.memory.hold(x, owned=owned)
 
+    def _write_all(self, env: dict, outvars: Sequence[Any], outvals: Sequence[Any]) -> None:
+        for v, x in zip(outvars, outvals, strict=True):
+            self._write(env, v, x)
+
     def _run(self, env: dict) -> None:
         """``eval_jaxpr``'s loop over the chain: launches, transfers and waits, in order."""
         memory, segment = self.memory, 0
@@ -383,11 +387,10 @@ class ChainExecutor:
                     outvals = [invals[0].block_until_ready()]
             else:
                 raise AssertionError(f"a chain holds segments, transfers and waits only, not {eqn.primitive}")
-            for v, x in zip(eqn.outvars, outvals, strict=True):
-                self._write(env, v, x)
+            self._write_all(env, eqn.outvars, outvals)
             dying = [env.pop(v) for v in dict.fromkeys(eqn.invars) if isinstance(v, jc.Var) and self.last_use[v] == i]
             memory.release(dying, probe=_probe(outvals), extra_bytes=extra)
-            del invals, outvals, dying, x  # no reference may outlive its last use (nor a failed call)
+            del invals, outvals, dying  # no reference may outlive its last use (nor a failed call)
 
     def _abandon(self, env: dict) -> None:
         """After a failure: nothing of the call may stay alive through the exception. Work in flight
