@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from oocjax.schedule import Buffer, Offload, Prefetch, Program, Schedule, Step
@@ -11,8 +11,9 @@ from oocjax.schedule import Buffer, Offload, Prefetch, Program, Schedule, Step
 if TYPE_CHECKING:
     from oocjax.plan import Plan
 
-FORMAT = "oocjax.plan/2"
-READABLE = ("oocjax.plan/1", FORMAT)  # /1 held the program and schedule only
+FORMAT = "oocjax.plan/3"
+# /1 held the program and schedule only; /2 had no recomputation (a /2 plan recomputes nothing).
+READABLE = ("oocjax.plan/1", "oocjax.plan/2", FORMAT)
 
 
 def dumps(plan: Plan, *, full: bool = False) -> str:
@@ -30,6 +31,10 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
         "offloads": [asdict(o) for o in plan.offloads],
         "host_inputs": [asdict(h) for h in plan.host_inputs],
         "host_outputs": list(plan.host_outputs),
+        "recomputed": [asdict(r) for r in plan.recomputed],
+        "extra_flops": plan.extra_flops,
+        "step_time_s": plan.step_time_s,
+        "swap_only_time_s": plan.swap_only_time_s,
     }
     if full:
         saved |= {"program": _program(plan.program), "schedule": _schedule(plan.schedule)}
@@ -37,7 +42,7 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
 
 
 def loads(text: str) -> Plan:
-    from oocjax.plan import Plan
+    from oocjax.plan import Plan, RecomputeInfo
 
     data = json.loads(text)
     if data.get("format") not in READABLE:
@@ -47,7 +52,7 @@ def loads(text: str) -> Plan:
             "this plan was saved without its program and schedule, which rebuilding a Plan needs: save it with "
             "plan.to_json(full=True); a summary reads as plain JSON (json.loads)"
         )
-    return Plan.build(
+    plan = Plan.build(
         program=_read_program(data["program"]),
         schedule=_read_schedule(data["schedule"]),
         jaxpr=None,
@@ -56,6 +61,17 @@ def loads(text: str) -> Plan:
         executed_peak_bytes=data.get("executed_peak_bytes"),
         attempts=tuple(data.get("attempts", ())),
         device=data.get("device", ""),
+        step_time_s=data.get("step_time_s"),
+        swap_only_time_s=data.get("swap_only_time_s"),
+    )
+    # The saved program holds the copies, but what they recompute came from the planner's rewrite,
+    # and the in-core peak from the step as traced: neither is saved, so both are restored as saved.
+    recomputed = tuple(RecomputeInfo(**r) for r in data.get("recomputed", ()))
+    return replace(
+        plan,
+        recomputed=recomputed,
+        extra_flops=data.get("extra_flops", 0),
+        baseline_peak_bytes=data.get("baseline_peak_bytes", plan.baseline_peak_bytes),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from oocjax.render import counted
+from oocjax.render import counted, in_core_steps
 from oocjax.schedule import MiB
 from oocjax.schedule.cost import DeviceProfile, resolve_profile, simulate_time
 
@@ -26,8 +26,9 @@ def _pyplot():
 
 
 def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None) -> Any:
-    """Device memory per equation: in-core and planned, the budget, offloads and prefetches. With a
-    profile, a second panel shows the compute and copy streams of the timed simulation.
+    """Device memory per equation: in-core and planned, the budget, offloads, prefetches and where
+    values are recomputed. With a profile, a second panel shows the compute and copy streams of the
+    timed simulation.
 
     Returns the memory axes, or (memory axes, stream axes) with a profile.
     """
@@ -50,7 +51,7 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
 def _memory_panel(ax: Any, plan: Plan) -> None:
     steps = range(len(plan.timeline.device_bytes))
     ax.step(
-        steps,
+        in_core_steps(plan),  # the program as it runs has recomputing copies among the traced steps
         [b / MiB for b in plan.baseline_timeline.device_bytes],
         where="post",
         color="0.55",
@@ -69,12 +70,18 @@ def _memory_panel(ax: Any, plan: Plan) -> None:
     prefetches = [m.issue_step for m in plan.schedule.prefetches]
     ax.plot(offloads, [0] * len(offloads), "v", color="tab:orange", markersize=5, label="offload")
     ax.plot(prefetches, [0] * len(prefetches), "^", color="tab:green", markersize=5, label="prefetch")
+    if plan.recomputed:  # only then: a plan that recomputes nothing keeps its legend as it was
+        again = [r.recomputed_at for r in plan.recomputed]
+        ax.plot(again, [0] * len(again), "D", color="tab:purple", markersize=4, label="recomputed")
     _label_largest_moves(ax, plan)
     ax.set_xlabel("equation")
     ax.set_ylabel("device memory (MiB)")
     ax.set_ylim(bottom=-0.04 * max(plan.baseline_peak_bytes / MiB, 1))
     ax.legend(loc="upper right", fontsize="small")
-    ax.set_title(f"{counted(len(plan.offloads), 'offload')}, {counted(len(plan.host_inputs), 'argument')} on host")
+    recomputed = f", {counted(len(plan.recomputed), 'value')} recomputed" if plan.recomputed else ""
+    ax.set_title(
+        f"{counted(len(plan.offloads), 'offload')}, {counted(len(plan.host_inputs), 'argument')} on host{recomputed}"
+    )
 
 
 def _stream_panel(ax: Any, plan: Plan, model: DeviceProfile) -> None:

@@ -1,6 +1,7 @@
 """Plans for people: a text summary, an inline SVG memory timeline, an annotated jaxpr.
 
-Nothing here needs matplotlib (``oocjax.plotting`` does, lazily) or jax.
+Nothing here needs matplotlib (``oocjax.plotting`` does, lazily); jax is imported only to read one
+flag, and only for a step that has a softmax the flag would change.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ def summary(plan: Plan, profile: DeviceProfile | str | None = None, *, largest: 
     lines = [f"oocjax plan{device} ({plan.schedule.strategy}, {len(plan.program.steps)} equations)"]
     lines += [f"  {name:<13} {value}" for name, value in _summary_rows(plan)]
     lines += _largest_moves(plan, largest)
+    lines += _recomputed_section(plan, largest)
+    lines += _softmax_hint(plan)
     if profile is not None:
         lines += _timed_simulation(plan, resolve_profile(profile))
     return "\n".join(lines)
@@ -66,13 +69,91 @@ def _largest_moves(plan: Plan, largest: int) -> list[str]:
     if not moves:
         return []
     shown = sorted(moves, key=lambda row: -row[1])[:largest]
-    lines = ["", f"Largest moves ({len(shown)} of {len(moves)}):"]
-    table = [("size", "out after", "back before", "distance", "value")]
-    table += [(format_bytes(n), out, back, dist, label) for label, n, out, back, dist in shown]
-    widths = [max(len(row[i]) for row in table) for i in range(4)]
-    for row in table:
-        lines.append("  " + "  ".join(row[i].rjust(widths[i]) for i in range(4)) + "  " + row[4])
-    return lines
+    table = [(format_bytes(n), out, back, dist, label) for label, n, out, back, dist in shown]
+    header = ("size", "out after", "back before", "distance", "value")
+    return ["", f"Largest moves ({len(shown)} of {len(moves)}):", *_table([header, *table], "  ")]
+
+
+def _table(rows: list[tuple[str, ...]], indent: str) -> list[str]:
+    """Rows with every column but the last (a value's label, of any length) right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return [indent + "  ".join([*(cell.rjust(w) for cell, w in zip(row, widths)), row[-1]]) for row in rows]
+
+
+def _recomputed_section(plan: Plan, largest: int) -> list[str]:
+    """What is recomputed, what it costs and what it saves: a reader weighs the FLOPs against the
+    bytes, and the simulated times say why the planner took it over swapping alone."""
+    recomputed = plan.recomputed
+    if not recomputed:
+        return []
+    held = sum(r.nbytes for r in recomputed)
+    lines = [
+        "",
+        f"Recomputed: {counted(len(recomputed), 'value')}, {format_bytes(held)} not held on the device "
+        "between their early and late reads",
+        f"  extra work    {_flops_share(plan)}",
+    ]
+    if plan.step_time_s is not None and plan.swap_only_time_s is not None:
+        lines += [
+            f"  step time     swap only would take {_seconds(plan.swap_only_time_s)}; "
+            f"this plan {_seconds(plan.step_time_s)}",
+            "                (simulated with the profile it was planned with: a model, not a measurement)",
+        ]
+    shown = sorted(recomputed, key=lambda r: -r.nbytes)[:largest]
+    header = ("size", "dropped after", "recomputed at", "value")
+    table = [(format_bytes(r.nbytes), str(r.dropped_after), str(r.recomputed_at), r.label) for r in shown]
+    return [*lines, f"  largest ({len(shown)} of {len(recomputed)}):", *_table([header, *table], "    ")]
+
+
+def _flops_share(plan: Plan) -> str:
+    """``38.3 MFLOP, 5.52% of the step's 693 MFLOP``: ``program`` holds the copies, so the step as
+    written does the rest."""
+    original = sum(step.flops for step in plan.program.steps) - plan.extra_flops
+    share = f", {100 * plan.extra_flops / original:.3g}% of the step's {_flops(original)}" if original > 0 else ""
+    return _flops(plan.extra_flops) + share
+
+
+def _flops(n: float) -> str:
+    for unit, scale in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:g} FLOP"
+
+
+def _softmax_hint(plan: Plan) -> list[str]:
+    """With ``jax_softmax_custom_jvp`` off, ``jax.nn.softmax`` is differentiated through its exp and
+    division, so the backward keeps the exp as well as the result; with it on, only the result. The
+    flag is the user's to set (it changes the program they trace), so this only says what it saves."""
+    exps = _softmax_exps(plan.program)
+    if not exps:
+        return []
+    import jax  # only here: a step with no such softmax renders without jax
+
+    if getattr(jax.config, "jax_softmax_custom_jvp", True):
+        return []
+    kept = format_bytes(sum(plan.program.buffers[b].nbytes for b in exps))
+    keep, their = ("keeps", "its") if len(exps) == 1 else ("keep", "their")
+    return [
+        "",
+        f"Softmax: {counted(len(exps), 'softmax')} {keep} {their} exp ({kept}) for the backward besides {their} "
+        "result, because jax_softmax_custom_jvp is off;",
+        f'  jax.config.update("jax_softmax_custom_jvp", True) before tracing keeps only the result: about {kept} '
+        "less (oocjax does not set it).",
+    ]
+
+
+def _softmax_exps(program) -> list[int]:
+    """Outputs of ``exp`` that a ``reduce_sum`` and a ``div`` read (a softmax's numerator) and
+    something reads again after the division: the backward's copy of it."""
+    steps, reads = program.steps, program.uses.read_at
+    found = []
+    for step in steps:
+        for b in step.writes if step.name == "exp" else ():
+            names = [steps[r].name for r in reads[b]]
+            divs = [r for r in reads[b] if steps[r].name == "div"]
+            if "reduce_sum" in names and divs and reads[b][-1] > divs[0]:
+                found.append(b)
+    return found
 
 
 def _timed_simulation(plan: Plan, model: DeviceProfile) -> list[str]:
@@ -116,8 +197,8 @@ def _move_rows(plan: Plan) -> list[tuple[str, int, str, str, str]]:
 
 
 def counted(n: int, noun: str) -> str:
-    """``1 segment``, ``3 segments``, ``2 prefetches``."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("h") else f"{n} {noun}s"
+    """``1 segment``, ``3 segments``, ``2 prefetches``, ``2 softmaxes``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith(("h", "x")) else f"{n} {noun}s"
 
 
 def _seconds(s: float) -> str:
@@ -133,8 +214,9 @@ _WIDTH, _HEIGHT, _PAD = 720, 260, 56
 
 
 def svg_timeline(plan: Plan) -> str:
-    """Device memory over the equations: in-core and planned curves, the budget line, and one mark
-    per move (down triangles: offloads, up triangles: prefetches). Plain SVG, no dependencies."""
+    """Device memory over the equations: in-core and planned curves, the budget line, one mark per
+    move (down triangles: offloads, up triangles: prefetches) and per recomputed value (purple dots).
+    Plain SVG, no dependencies."""
     planned, in_core = plan.timeline.device_bytes, plan.baseline_timeline.device_bytes
     n = max(len(planned), 1)
     top = max([plan.budget_bytes, *planned, *in_core, 1]) * 1.05
@@ -146,10 +228,49 @@ def svg_timeline(plan: Plan) -> str:
     def y(nbytes: float) -> float:
         return _PAD + inner_h * (1 - nbytes / top)
 
-    def curve(values, css: str) -> str:
-        points = " ".join(f"{x(k):.1f},{y(v):.1f} {x(k + 1):.1f},{y(v):.1f}" for k, v in enumerate(values))
+    def curve(values, css: str, at: list[int]) -> str:
+        ends = [*at[1:], at[-1] + 1] if at else []
+        points = " ".join(f"{x(a):.1f},{y(v):.1f} {x(b):.1f},{y(v):.1f}" for a, b, v in zip(at, ends, values))
         return f'<polyline class="{css}" fill="none" points="{points}"/>'
 
+    marks = _svg_marks(plan, x)
+    budget_y = y(plan.budget_bytes)
+    axes = _svg_axes(x, y, n, top)
+    return "\n".join(
+        [
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{_HEIGHT + 20}" '
+            f'viewBox="0 0 {_WIDTH} {_HEIGHT + 20}" font-family="sans-serif" font-size="11">',
+            "<style>.in-core{stroke:#999;stroke-width:1.5}.planned{stroke:#1f77b4;stroke-width:2}"
+            ".budget{stroke:#d62728;stroke-dasharray:6 4}.offload{fill:#ff7f0e}.prefetch{fill:#2ca02c}"
+            ".recompute{fill:#9467bd}</style>",
+            *axes,
+            curve(in_core, "in-core", in_core_steps(plan)),
+            curve(planned, "planned", list(range(len(planned)))),
+            f'<line class="budget" x1="{_PAD}" y1="{budget_y:.1f}" x2="{_WIDTH - _PAD}" y2="{budget_y:.1f}"/>',
+            f'<text x="{_WIDTH - _PAD}" y="{budget_y - 4:.1f}" text-anchor="end" fill="#d62728">'
+            f"budget {html.escape(format_bytes(plan.budget_bytes))}</text>",
+            f'<text x="{_PAD}" y="{_PAD - 10}">device memory: in-core (grey), planned (blue); '
+            f"moves: offload (orange), prefetch (green){'; recomputed (purple)' if plan.recomputed else ''}</text>",
+            f'<text x="{_WIDTH / 2}" y="{_HEIGHT + 14}" text-anchor="middle">equation</text>',
+            *marks,
+            "</svg>",
+        ]
+    )
+
+
+def in_core_steps(plan: Plan) -> list[int]:
+    """Where each step of the in-core estimate runs in ``plan.program``. A recomputing program has
+    the copies among the traced steps (which keep their order), so the in-core curve skips them to
+    line up with the planned one; a plan whose in-core estimate is of its own program maps as is."""
+    n, copies = len(plan.baseline_timeline.device_bytes), {r.recomputed_at for r in plan.recomputed}
+    if n + len(copies) != len(plan.timeline.device_bytes) or not copies:
+        return list(range(n))
+    return [k for k in range(n + len(copies)) if k not in copies]
+
+
+def _svg_marks(plan: Plan, x) -> list[str]:
+    """One mark per move below the axis (down triangles: offloads, up triangles: prefetches), and
+    one purple dot just above it per recomputed value, where its copy runs; each names its value."""
     marks = []
     for move in plan.schedule.moves:
         if isinstance(move, Offload):
@@ -163,27 +284,14 @@ def svg_timeline(plan: Plan) -> str:
             f'<polygon class="move {kind}" points="{cx - 3:.1f},{base} {cx + 3:.1f},{base} {cx:.1f},{tip}">'
             f"<title>{label}</title></polygon>"
         )
-    budget_y = y(plan.budget_bytes)
-    axes = _svg_axes(x, y, n, top)
-    return "\n".join(
-        [
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{_HEIGHT + 20}" '
-            f'viewBox="0 0 {_WIDTH} {_HEIGHT + 20}" font-family="sans-serif" font-size="11">',
-            "<style>.in-core{stroke:#999;stroke-width:1.5}.planned{stroke:#1f77b4;stroke-width:2}"
-            ".budget{stroke:#d62728;stroke-dasharray:6 4}.offload{fill:#ff7f0e}.prefetch{fill:#2ca02c}</style>",
-            *axes,
-            curve(in_core, "in-core"),
-            curve(planned, "planned"),
-            f'<line class="budget" x1="{_PAD}" y1="{budget_y:.1f}" x2="{_WIDTH - _PAD}" y2="{budget_y:.1f}"/>',
-            f'<text x="{_WIDTH - _PAD}" y="{budget_y - 4:.1f}" text-anchor="end" fill="#d62728">'
-            f"budget {html.escape(format_bytes(plan.budget_bytes))}</text>",
-            f'<text x="{_PAD}" y="{_PAD - 10}">device memory: in-core (grey), planned (blue); '
-            "moves: offload (orange), prefetch (green)</text>",
-            f'<text x="{_WIDTH / 2}" y="{_HEIGHT + 14}" text-anchor="middle">equation</text>',
-            *marks,
-            "</svg>",
-        ]
-    )
+    for r in plan.recomputed:
+        what = f"recomputed at equation {r.recomputed_at} (dropped after equation {r.dropped_after})"
+        label = html.escape(f"{what}: {r.label} ({format_bytes(r.nbytes)})")
+        marks.append(
+            f'<circle class="recompute" cx="{x(r.recomputed_at):.1f}" cy="{_HEIGHT - _PAD - 4}" r="3">'
+            f"<title>{label}</title></circle>"
+        )
+    return marks
 
 
 def _svg_axes(x, y, n: int, top: float) -> list[str]:
@@ -212,8 +320,8 @@ def html_view(plan: Plan) -> str:
 
 def pretty_jaxpr(plan: Plan, *, full: bool = False) -> str:
     """The step as it runs, in order: each segment with the transfers and waits around it, what
-    moves and where it comes from. ``full=True`` appends the chain's jaxpr as jax prints it (each
-    segment call holds its part of the step)."""
+    moves and where it comes from, and what it recomputes. ``full=True`` appends the chain's jaxpr
+    as jax prints it (each segment call holds its part of the step)."""
     if plan.jaxpr is None:
         raise ValueError("this plan has no jaxpr (it was loaded from JSON); plan the step again to see it")
     if not plan.segments:
@@ -242,9 +350,11 @@ def _chain_lines(plan: Plan) -> list[str]:
                 for segment in plan.segments[first : last + 1]
                 for b in (*segment.prefetches, *segment.offloads)
             )
+            again = sum(len(_recomputed_in(plan, segment)) for segment in plan.segments[first : last + 1])
             lines.append(
                 f"... segments {first}..{last}: the same {counted(period, 'segment')} {copies - 1} more times "
                 f"(same programs and transfers), moving {format_bytes(moved)}"
+                + (f", recomputing {counted(again, 'value')}" if again else "")
             )
         i += period * copies
     return lines
@@ -267,21 +377,30 @@ def _repetition(kinds: list, i: int) -> tuple[int, int]:
 
 
 def _segment_kinds(plan: Plan) -> list[tuple]:
-    """Per segment, what makes two alike: its compiled program and what it moves (labels, sizes)."""
+    """Per segment, what makes two alike: its compiled program, what it moves and what it
+    recomputes (labels, sizes)."""
     programs = [str(e.params["jaxpr"].jaxpr) for e in plan.jaxpr.jaxpr.eqns if e.primitive.name == "jit"]
     buffers = plan.program.buffers
 
     def moved(bs: tuple[int, ...]) -> tuple:
         return tuple((buffers[b].label, buffers[b].nbytes) for b in bs)
 
+    def recomputed(segment) -> tuple:  # what, not where: layers alike recompute at other equations
+        return tuple((r.label, r.nbytes) for r in _recomputed_in(plan, segment))
+
     return [
-        (program, moved(s.waits), moved(s.prefetches), moved(s.offloads))
+        (program, moved(s.waits), moved(s.prefetches), moved(s.offloads), recomputed(s))
         for program, s in zip(programs, plan.segments, strict=True)
     ]
 
 
+def _recomputed_in(plan: Plan, segment) -> list:
+    """The recomputed values whose copies run in ``segment``."""
+    return [r for r in plan.recomputed if segment.start <= r.recomputed_at < segment.stop]
+
+
 def _segment_blocks(plan: Plan) -> list[list[str]]:
-    buffers, steps = plan.program.buffers, plan.program.steps
+    buffers = plan.program.buffers
     uses = {b: [p.use_step for p in fetches] for b, fetches in plan.schedule.prefetches_by_buffer.items()}
 
     def value(b: int) -> str:
@@ -298,14 +417,29 @@ def _segment_blocks(plan: Plan) -> list[list[str]]:
     blocks = []
     costs = plan.segment_costs or (None,) * len(plan.segments)
     for i, (segment, cost) in enumerate(zip(plan.segments, costs)):
+        recomputed = _recomputed_in(plan, segment)
         lines = [f"  wait  {value(b)}: its offload must end before its device memory is reused" for b in segment.waits]
         lines += [f"  >>>   prefetch {value(b)}: {prefetch(b, segment.start)}" for b in segment.prefetches]
-        where = list(dict.fromkeys(s.label for s in steps[segment.start : segment.stop] if s.label))
-        measured = "" if cost is None else f", scratch {format_bytes(cost.temp_bytes)}"
-        lines.append(
-            f"segment {i}: equations {segment.start}..{segment.stop - 1}, holds {format_bytes(segment.held_bytes)} "
-            f"at launch{measured}" + (f"  [{', '.join(where[:3])}{', ...' if len(where) > 3 else ''}]" if where else "")
-        )
+        lines.append(_segment_line(plan, i, cost, len(recomputed)))
+        lines += [
+            f"  +++   recomputes {r.label} ({format_bytes(r.nbytes)}): dropped after equation {r.dropped_after}, "
+            f"computed again at equation {r.recomputed_at}"
+            for r in recomputed
+        ]
         lines += [f"  <<<   offload {value(b)}: {offload(b, segment.stop - 1)}" for b in segment.offloads]
         blocks.append(lines)
     return blocks
+
+
+def _segment_line(plan: Plan, i: int, cost, recomputed: int) -> str:
+    """``segment 3: equations 598..599, holds 12.8 MiB at launch, scratch 0 B  [model.py:126]``, and
+    how many values it recomputes (listed below it)."""
+    segment = plan.segments[i]
+    where = list(dict.fromkeys(s.label for s in plan.program.steps[segment.start : segment.stop] if s.label))
+    measured = "" if cost is None else f", scratch {format_bytes(cost.temp_bytes)}"
+    again = f", recomputes {counted(recomputed, 'value')}" if recomputed else ""
+    shown = f"  [{', '.join(where[:3])}{', ...' if len(where) > 3 else ''}]" if where else ""
+    return (
+        f"segment {i}: equations {segment.start}..{segment.stop - 1}, holds {format_bytes(segment.held_bytes)} "
+        f"at launch{measured}{again}{shown}"
+    )
