@@ -63,7 +63,14 @@ def ooc_jit(
         at first, grown when a call measures over the budget; 0 on CPUs), as ints or with
         units; ``min_segment_flops`` (smaller segments are merged where memory allows; default
         about a millisecond of work on the device) and ``min_segments`` (cut into at least this
-        many segments even when nothing moves; for measuring the executor's overhead).
+        many segments even when nothing moves; for measuring the executor's overhead);
+        ``host_budget`` (host bytes the plan may use; default what the machine has available);
+        ``recompute``: ``"auto"`` (default: keep, move or recompute each value, whichever the
+        device's measured rates say is faster), ``"off"`` (move only: the adaptive window
+        planner alone), ``"always"`` (take the recomputing plan whenever it finds values to
+        recompute), or a function ``(operation_name, value_label) -> True | False | None`` that
+        forces (True) or forbids (False) recomputing a value and leaves the rest (None) to the
+        costs, e.g. ``lambda name, label: True if name == "lt" else None`` for dropout masks.
 
     Returns:
       A callable with ``plan(...)`` and ``lower(...)`` methods.

@@ -379,9 +379,17 @@ def _refuse_infeasible(program: Program, error: BudgetInfeasibleError, budget: B
     """Raises the planner's error, saying what the user can do about it."""
     _refuse_for_held_arguments(program, error, options)
     loop = OPAQUE_LOOPS.get(program.steps[error.step].name)
-    if loop is None and not budget.headroom_bytes:
+    tried = (
+        ""
+        if options.recompute == "off"
+        else (
+            "\nThat figure is the floor of plans that move values; plans that also recompute values were tried "
+            "and did not fit this budget either (near the figure one may)."
+        )
+    )
+    if loop is None and not budget.headroom_bytes and not tried:
         raise error
-    note = (
+    note = tried + (
         ""
         if loop is None
         else (
