@@ -335,8 +335,8 @@ def _refuse_tokens_between(segments: tuple[Segment, ...], avals: tuple) -> None:
 
 def _chain(flat: FlatProgram, program: Program, schedule: Any, segments: tuple, input_kinds: tuple) -> tuple:
     """One jitted function per segment, and the chain's jaxpr (transfers named for their values)."""
-    functions = tuple(segment_functions(flat, segments))
     labels = [buffer.label for buffer in program.buffers]
+    functions = tuple(segment_functions(flat, segments, labels))
     chain = chain_function(flat, schedule, segments, functions, labels)
     return functions, chain_jaxpr(chain, flat, input_kinds)
 

@@ -249,3 +249,13 @@ def test_the_copies_survive_xla_common_subexpression_elimination_on_a_gpu():
     _, rewrite, flat = rewritten_mlp()
     compiled = one_segment(flat, rewrite).compile().as_text()
     assert set(copies_in(compiled)) == {"dot_general", "tanh"}
+
+
+def test_a_copy_is_named_for_the_value_it_computes_again_in_the_compiled_metadata():
+    _, rewrite, flat = rewritten_mlp()
+    (segment,) = cut_segments(rewrite.program, keep_all(rewrite.program), budget_bytes=2**62)
+    labels = [buffer.label for buffer in rewrite.program.buffers]
+    (function,) = segment_functions(flat, (segment,), labels)
+    text = function.lower(*({0: W1, 1: W2, 2: X}[b] for b in segment.inputs)).as_text(debug_info=True)
+    recomputed = {labels[b].removeprefix("recompute of ") for b in rewrite.recomputed}
+    assert recomputed and all(f"oocjax.recompute({label}" in text for label in recomputed), recomputed

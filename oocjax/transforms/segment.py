@@ -27,12 +27,13 @@ Host = jax.memory.Space.Host
 Device = jax.memory.Space.Device
 
 
-def segment_functions(flat: FlatProgram, segments: Sequence[Segment]) -> list[Callable]:
-    """Per segment, a jitted function of its inputs' device values returning its outputs."""
-    return [_segment_function(flat, i, segment) for i, segment in enumerate(segments)]
+def segment_functions(flat: FlatProgram, segments: Sequence[Segment], labels: Sequence[str] = ()) -> list[Callable]:
+    """Per segment, a jitted function of its inputs' device values returning its outputs.
+    ``labels`` (per buffer) name recomputed values in profiles: ``oocjax.recompute(<value>)``."""
+    return [_segment_function(flat, i, segment, labels) for i, segment in enumerate(segments)]
 
 
-def _segment_function(flat: FlatProgram, index: int, segment: Segment) -> Callable:
+def _segment_function(flat: FlatProgram, index: int, segment: Segment, labels: Sequence[str]) -> Callable:
     equations = flat.equations[segment.start : segment.stop]
     barriers = _copy_barriers(equations)
 
@@ -47,7 +48,7 @@ def _segment_function(flat: FlatProgram, index: int, segment: Segment) -> Callab
                 through, _ = jax.lax.optimization_barrier(([env[b] for b in operands], [env[b] for b in anchor]))
                 fenced = dict(zip(operands, through, strict=True))
             invals = [r.val if isinstance(r, jc.Literal) else fenced.get(r, env[r]) for r in fe.inputs]
-            env.update(zip(fe.outputs, _bind(fe, invals), strict=True))
+            env.update(zip(fe.outputs, _bind(fe, invals, labels), strict=True))
         return tuple(env[b] for b in segment.outputs)
 
     run.__name__ = run.__qualname__ = f"segment_{index}"
@@ -56,10 +57,15 @@ def _segment_function(flat: FlatProgram, index: int, segment: Segment) -> Callab
     return jax.jit(run, donate_argnums=donated, in_shardings=device, out_shardings=device, keep_unused=True)
 
 
-def _bind(fe: FlatEquation, invals: list[Any]) -> list[Any]:
-    """The equation on values, under its user source line; a copy also under ``oocjax.recompute``,
-    so that profiles and the compiled program's metadata tell it from its original."""
-    scope = jax.named_scope("oocjax.recompute") if fe.recompute_of is not None else contextlib.nullcontext()
+def _bind(fe: FlatEquation, invals: list[Any], labels: Sequence[str]) -> list[Any]:
+    """The equation on values, under its user source line; a copy also under
+    ``oocjax.recompute(<value>)``, so that profiles and the compiled program's metadata tell it
+    from its original and say what it computes again."""
+    scope = contextlib.nullcontext()
+    if fe.recompute_of is not None:
+        b = fe.outputs[0] if fe.outputs else None
+        value = labels[b].removeprefix("recompute of ") if b is not None and b < len(labels) else ""
+        scope = jax.named_scope(f"oocjax.recompute({value.replace('/', '|')})" if value else "oocjax.recompute")
     with jc.equation_context(fe.eqn), scope:
         try:
             return jc.bind_equation(fe.eqn, invals)
