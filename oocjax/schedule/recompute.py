@@ -244,13 +244,16 @@ class _Rebuild:
 
     def run(self) -> Skipped | None:
         """Writes the program; or stops at the first target whose copy may not run where needed."""
+        last_early = self.last_early
         for k, step in enumerate(self.program.steps):
-            for r in step.reads:
-                if self._dropped(r, k):
-                    conflict = self._ensure(r, k)
-                    if conflict is not None:
-                        return conflict
-            self._emit(k, replace(step, reads=tuple(self._version(r, k) for r in step.reads)), copy=False)
+            dropped = [r for r in step.reads if r in last_early and k > last_early[r]]
+            for r in dropped:
+                conflict = self._ensure(r, k)
+                if conflict is not None:
+                    return conflict
+            # Most steps read no dropped target: they are kept as they are (no new record).
+            rewired = replace(step, reads=tuple(self._version(r, k) for r in step.reads)) if dropped else step
+            self._emit(k, rewired, copy=False)
         return None
 
     def rewrite(self, skipped: Iterable[Skipped]) -> Rewrite:
@@ -367,8 +370,16 @@ def identity_rewrite(program: Program, skipped: Iterable[Skipped] = ()) -> Rewri
 
 
 def _in_core_bytes(program: Program) -> tuple[int, ...]:
-    """Device bytes per step with nothing moved: ``Program``'s liveness rule, through the simulator."""
-    return simulate(program, keep_all(program)).device_bytes
+    """Device bytes per step with nothing moved: ``Program``'s liveness rule, through the simulator.
+    The selector asks it of the same original program at every pick: the last answer is kept."""
+    if _LAST_IN_CORE and _LAST_IN_CORE[0] is program:
+        return _LAST_IN_CORE[1]
+    device = simulate(program, keep_all(program)).device_bytes
+    _LAST_IN_CORE[:] = [program, device]
+    return device
+
+
+_LAST_IN_CORE: list = []  # [program, its in-core bytes]: one entry, so it holds at most one program
 
 
 # The pools a byte over the budget at step p can be taken from, with the least it costs to move
