@@ -25,6 +25,42 @@ def where(record: dict) -> str:
     return f"{record['machine']}, commit {record['commit'] or 'unknown'}, {record['date']}"
 
 
+def _hybrid_lines(name: str, r: dict) -> list[str]:
+    m = r["model"]
+    by = {(row["row"], row["budget_fraction"]): row for row in r["rows"]}
+    jit = by[("jax_jit", None)]
+
+    def mib(row):
+        return f"{row['moved_bytes'] / 2**20:.0f} MiB"
+
+    def ms(row):
+        return f"{row['simulated_s']['measured'] * 1e3:.0f} ms"
+
+    budgets = []
+    for f in r["settings"]["budgets"]:
+        s, h, n, d = (by[(k, f)] for k in ("swap_only", "hybrid", "remat_nothing_saveable", "remat_dots_saveable"))
+        budgets.append(
+            f"at {f:.0%}: swap-only moves {mib(s)} ({ms(s)} simulated, {s['vs_jax_jit']:.2f}x measured), "
+            f"the hybrid {mib(h)} recomputing {h['recomputed_values']} values "
+            f"(+{h['extra_flops_pct']:.1f}% FLOPs; {ms(h)}, {h['vs_jax_jit']:.2f}x), "
+            f"`nothing_saveable` blocks {mib(n)} (+{n['extra_flops_pct']:.0f}%; {ms(n)}, {n['vs_jax_jit']:.2f}x), "
+            f"`dots_saveable` blocks {mib(d)} ({ms(d)}, {d['vs_jax_jit']:.2f}x)"
+        )
+    within = all(row["within_budget"] for row in r["rows"] if row["budget_fraction"] is not None)
+    return [
+        f"**Swap, recompute or remat** (`{name}`; {where(r)}): a {m['layers']}-layer GPT (width {m['width']}, "
+        f"batch {m['batch']}, seq {m['seq']}, float32, AdamW; in-core estimate {r['in_core_bytes'] / 2**20:.0f} MiB) "
+        f"under `ooc_jit` at shares of that estimate; time against `jax.jit` (measured "
+        f"{jit['measured_s'] * 1e3:.0f} ms/step, predicted {jit['simulated_s']['measured'] * 1e3:.0f} ms "
+        f"with the measured profile); "
+        + "; ".join(budgets)
+        + (". Every plan stayed within its budget" if within else ". A plan went OVER its budget")
+        + f"; losses within {max(row['loss_max_abs_diff'] for row in r['rows']):.0e} of `jax.jit`'s. Measured on a "
+        "shared, loaded 2-core machine: treat the measured ratios as +-15%.",
+        "",
+    ]
+
+
 def section() -> str:
     lines = []
     found = latest("planner_scale")
@@ -46,6 +82,12 @@ def section() -> str:
             f"**Planning against tracing** (`{name}`; {where(r)}): a {r['layers']}-layer GPT-2-style Flax step "
             f"({r['equations']:,} equations) traces in {r['trace_s']:.1f} s; analysis and planning take "
             f"{r['analyse_s'] + r['planner_s']:.2f} s"
+            + (
+                f" (the hybrid planner: rewrite, selector and window, {r['hybrid_s']:.2f} s, "
+                f"{r['hybrid_ratio']:.2f}x the trace; the window planner alone {r['window_s']:.2f} s)"
+                if "hybrid_s" in r
+                else ""
+            )
             + (
                 f", cutting it into {r['segments']} segments {r['segment_s']:.2f} s more (ratio {r['ratio']:.2f})."
                 if "segment_s" in r
@@ -75,6 +117,31 @@ def section() -> str:
             f"the in-core estimate, `ooc_jit` takes {min(row['ratio'] for row in rows):.2f}x to "
             f"{worst['ratio']:.2f}x `jax.jit`'s first call (worst: {worst['model']} at {worst['fraction']:.0%}, "
             f"{worst['segments']} segments, {worst['ooc_s']:.2f} s against {worst['jit_s']:.2f} s).",
+            "",
+        ]
+    found = latest("hybrid-cpu")  # quick runs (--quick) go to the temporary folder, not results/
+    if found:
+        lines += _hybrid_lines(*found)
+    found = latest("hybrid_gpu_model")
+    if found:
+        name, r = found
+        rows = {row["recompute"]: row for row in r["rows"]}
+        off, auto, check = rows["off"], rows["auto"], r["cross_check"]
+        lines += [
+            f"**Swap or recompute on the H200 GPT, by the model** (`{name}`; a calibrated simulation on a CPU trace, "
+            f"not a GPU measurement; {where(r)}): with the cost model calibrated to the committed H200 run (its "
+            f"measured link, a per-copy latency fitted to its eager copies, compute rates scaled so that the in-core "
+            f"step simulates in `jax.jit`'s {r['measured_reference']['jax_jit_s']:.3f} s), at the "
+            f"{r['budget']['user_bytes'] / 2**30:.2f} GiB budget swap-only is predicted at {off['simulated_s']:.2f} s "
+            f"per step moving {off['moved_bytes'] / 2**30:.1f} GiB "
+            f"(measured there: {r['measured_reference']['ooc_s']:.2f} s; "
+            f"the model errs {check['off_time_model_over_measured'] - 1:+.0%} in time, "
+            f'{check["off_moved_model_over_measured"] - 1:+.0%} in bytes), and `recompute="auto"` at '
+            f"{auto['simulated_s']:.3f} s ({auto['vs_jax_jit']:.1f}x `jax.jit`) "
+            f"moving {auto['moved_bytes'] / 2**30:.1f} GiB, "
+            f"recomputing {auto['recomputed_values']} values for +{auto['extra_flops_pct']:.1f}% FLOPs. By the model "
+            f"the 1.3x target is {'met' if r['target']['met_by_model'] else 'not met'} by the current selector; the "
+            "GPU line itself is still to be measured with `benchmarks/gpu_check.py`.",
             "",
         ]
     found = latest("simulated")
