@@ -348,3 +348,28 @@ def test_the_time_bound_adds_the_link_time_on_both_sides_of_the_peak_to_its_comp
     compute = sum(profile.compute_seconds(step) for step in program.steps)
     around_b3 = 3 * MiB / profile.h2d_bytes_per_s + profile.compute_seconds(program.steps[3])
     assert bound.step_time_s == pytest.approx(max(compute, around_b3))
+
+
+def test_a_value_whose_producer_reads_a_dead_value_is_recomputed_with_its_chain():
+    # v (8 MiB) is held across big (step 3, the peak: x, v, c, d = 26 MiB), but its producer g reads
+    # u (8 MiB), dead there: recomputing v alone would bring u back to life and save nothing. The
+    # chain f, g recomputes both from the argument x before k; the peak falls to 18 MiB (step 3
+    # without v, and the copies before k: x, u', v', e).
+    sizes = {"x": MiB, "u": 8 * MiB, "v": 8 * MiB, "c": MiB, "d": 16 * MiB, "e": MiB, "y": MiB}
+    ops = [
+        ("f", ["x"], ["u"]),
+        ("g", ["u"], ["v"]),
+        ("h", ["v"], ["c"]),
+        ("big", ["c"], ["d"]),
+        ("m", ["d"], ["e"]),
+        ("k", ["v", "e"], ["y"]),
+    ]
+    program = Program.from_ops(ops, sizes, inputs=["x"], outputs=["y"])
+    rewrite = choose_recompute(program, 20 * MiB, recomputable=lambda s: True)
+    check_rewrite(program, rewrite, lambda s: True)
+    assert [program.buffers[b].label for b in rewrite.recomputed] == ["u", "v"]
+    assert rewrite.origin_step == (0, 1, 2, 3, 4, 0, 1, 5)
+    assert (rewrite.peak_bytes_before, rewrite.peak_bytes) == (26 * MiB, 18 * MiB)
+    # When f may not run twice, u cannot join the chain: v alone saves nothing.
+    alone = choose_recompute(program, 20 * MiB, recomputable=lambda s: s != 0)
+    assert alone.recomputed == () and alone.peak_bytes == 26 * MiB

@@ -33,9 +33,15 @@ greedy as in Capuchin. At the in-core peak step of the program rewritten so far,
 the original computed values live across it (not read there), not yet chosen, whose producer may be
 recomputed. They are grouped into classes of identical layers (same operation, source label, FLOPs
 and operand sizes, the same result of it), so repeated layers get one decision and keep sharing
-compiled programs. A candidate's estimated saving is its size less the producer's inputs it would
-bring back to life across the peak; the class with the most bytes saved per recompute-second
-(``DeviceProfile.compute_seconds`` of the producers) joins the targets, split across the peak, and
+compiled programs. A candidate whose producer reads values dead at the peak comes with its *chain*
+(``_chain``): those inputs that may be recomputed join the targets too (dropped after their last
+read, so they stay as they were early and are recomputed only by the candidate's copy), walked
+back up to 8 values; without them the copy would hold them again across the peak (the attention
+probabilities of a GPT: exp reads the 512 MiB shifted scores, dead at the turn, and is only worth
+recomputing with them). A candidate's estimated saving is its size less the inputs that the
+chain brings back to life across the peak (those that cannot join it); the class with the most
+bytes saved per recompute-second (``DeviceProfile.compute_seconds`` of the chains' producers)
+joins the targets, split across the peak, and
 the *original* program is rewritten with all targets (so the closure rule sees every choice). The
 pick is kept if it lowers the in-core peak, or keeps it and lowers the bytes over the budget summed
 over the steps, and if it does not raise the smallest feasible budget (``required_bytes``) above
@@ -580,7 +586,8 @@ def _greedy(
         else:
             rejected.add(key)
             skipped += [Skipped(buffer=b, reason=why_not) for b in members]
-    return replace(chosen, skipped=(*chosen.skipped, *skipped))
+    kept = set(chosen.recomputed)  # a chain member of a rejected class may join a later one
+    return replace(chosen, skipped=(*chosen.skipped, *(s for s in skipped if s.buffer not in kept)))
 
 
 def _pressure_points(device: Sequence[int], budget: int, most: int = 8) -> list[int]:
@@ -630,7 +637,7 @@ def _best_class(
     the original step to split them across; None if there is none."""
     q = _next_original(chosen, p)
     rewritten = chosen.program
-    uses, spans = rewritten.uses, rewritten.unmoved_spans
+    uses = rewritten.uses
     classes: dict[ClassKey, tuple[list[int], list[float]]] = {}
     for b, buffer in enumerate(program.buffers):  # originals only: a copy serves a late group already
         reads, defined = uses.read_at[b], uses.defined_at[b]
@@ -639,18 +646,16 @@ def _best_class(
         if reads[-1] <= q or reads[bisect_left(reads, p)] <= q or not recomputable(chosen.origin_step[defined]):
             continue  # dead at p, or read from p to the next original step: not droppable there
         step = rewritten.steps[defined]
-        # Inputs of the producer that are dead at p come back to life across it with the copy,
-        # unless they are targets themselves (then the copy's chain recomputes them as well).
-        revived = sum(
-            rewritten.buffers[i].nbytes for i in step.reads if not spans[i][0] <= p <= spans[i][1] and i not in targets
-        )
         key = _class_key(rewritten, step, b)
-        if buffer.nbytes <= revived or key in rejected:
+        if key in rejected:
+            continue
+        chain, revived, seconds = _chain(program, chosen, targets, defined, p, recomputable, profile)
+        if buffer.nbytes <= revived:
             continue
         members, totals = classes.setdefault(key, ([], [0.0, 0.0]))
-        members.append(b)
+        members += [b, *chain]
         totals[0] += buffer.nbytes - revived
-        totals[1] += profile.compute_seconds(step)
+        totals[1] += seconds
     if not classes:
         return None
 
@@ -659,7 +664,48 @@ def _best_class(
         return (saved / seconds if seconds > 0 else math.inf, -members[0])
 
     key, (members, _) = max(classes.items(), key=rank)
-    return key, members, chosen.origin_step[q]
+    return key, list(dict.fromkeys(members)), chosen.origin_step[q]
+
+
+def _chain(
+    program: Program,
+    chosen: Rewrite,
+    targets: Mapping[int, int],
+    producer: int,
+    p: int,
+    recomputable: Recomputable,
+    profile: DeviceProfile,
+    most: int = 8,
+) -> tuple[list[int], int, float]:
+    """What recomputing the value that step ``producer`` (of the rewritten program) writes across
+    step ``p`` takes: the inputs dead at ``p`` that the copy's chain recomputes too (values of
+    ``program`` that may be recomputed, at most ``most``, walked back from the producer), the bytes
+    of the other dead inputs (brought back to life across ``p``) and the chain's recompute-seconds.
+    Inputs that are targets already are recomputed by their own copies."""
+    rewritten = chosen.program
+    spans, defined_at, steps = rewritten.unmoved_spans, rewritten.uses.defined_at, rewritten.steps
+    chain: list[int] = []
+    revived, seconds, todo = 0, profile.compute_seconds(steps[producer]), list(steps[producer].reads)
+    while todo:
+        i = todo.pop()
+        if spans[i][0] <= p <= spans[i][1] or i in targets or i in chain:
+            continue
+        d = defined_at[i]
+        joins = (
+            len(chain) < most
+            and i < len(program.buffers)
+            and program.buffers[i].kind == "computed"
+            and not program.buffers[i].is_output
+            and d is not None
+            and recomputable(chosen.origin_step[d])
+        )
+        if joins:
+            chain.append(i)
+            seconds += profile.compute_seconds(steps[d])
+            todo += steps[d].reads
+        else:
+            revived += rewritten.buffers[i].nbytes
+    return chain, revived, seconds
 
 
 def _next_original(chosen: Rewrite, p: int) -> int:
