@@ -45,8 +45,10 @@ def assert_same_results(actual, expected):
 
 
 def tight_step(**kw):
+    """The MLP step at 40% of in-core, planned swap-only unless asked otherwise: these tests are about
+    what moves (recomputation alone would fit this step)."""
     in_core = ooc_jit(mlp_step, budget=2**62).plan(PARAMS, X).baseline_peak_bytes
-    return ooc_jit(mlp_step, budget=in_core * 2 // 5, min_offload_bytes=4 * KiB, **kw)
+    return ooc_jit(mlp_step, budget=in_core * 2 // 5, min_offload_bytes=4 * KiB, **{"recompute": "off", **kw})
 
 
 def test_a_second_call_with_the_same_shapes_neither_traces_nor_plans(monkeypatch):

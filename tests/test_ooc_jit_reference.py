@@ -85,7 +85,8 @@ def test_ooc_jit_trains_like_jax_jit_within_the_budget(name, fraction):
     plan = step.plan(placed(case.state), case.batches[0])
     assert plan.peak_bytes <= budget
     if fraction < 1:
-        assert plan.offloads and plan.host_inputs, "a budget this far under the in-core estimate moves both"
+        # Far under the in-core estimate, values are moved or recomputed, whichever is faster.
+        assert plan.moved_bytes > 0 or plan.recomputed
         assert plan.executed_peak_bytes <= budget
         to_host = [
             e

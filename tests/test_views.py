@@ -209,8 +209,11 @@ WIDE_X = jnp.ones((512, 64))
 
 @functools.cache
 def wide_plan(fraction: float = 0.4) -> Plan:
+    """The wide MLP's swap-only plan (these views are about transfers; tests/test_recompute_views.py
+    shows recomputation)."""
     in_core = ooc_jit(wide_mlp_step, budget=2**62).plan(WIDE_PARAMS, WIDE_X).baseline_peak_bytes
-    return ooc_jit(wide_mlp_step, budget=int(in_core * fraction), min_offload_bytes=1024).plan(WIDE_PARAMS, WIDE_X)
+    step = ooc_jit(wide_mlp_step, budget=int(in_core * fraction), min_offload_bytes=1024, recompute="off")
+    return step.plan(WIDE_PARAMS, WIDE_X)
 
 
 def test_the_pretty_view_of_a_step_with_40_parameter_arrays_shows_a_transfer_within_six_lines():
@@ -310,7 +313,7 @@ def test_a_flax_scan_is_labelled_with_the_users_line_not_flaxs_own_file():
 
 def test_a_profiler_trace_names_each_transfer_for_the_value_it_moves(tmp_path):
     plan = wide_plan()
-    step = ooc_jit(wide_mlp_step, budget=plan.budget_bytes, min_offload_bytes=1024)
+    step = ooc_jit(wide_mlp_step, budget=plan.budget_bytes, min_offload_bytes=1024, recompute="off")
     step(WIDE_PARAMS, WIDE_X)  # compiled outside the trace
     with jax.profiler.trace(str(tmp_path)):
         jax.block_until_ready(step(WIDE_PARAMS, WIDE_X))
