@@ -114,14 +114,13 @@ class OocJitted:
             return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        traced, planner = self._entry(args, kwargs)
+        traced, planner, leaves = self._entry(args, kwargs)
         built = planner.built
         if built.executor is None:
-            if any(memory_kind(x) == "pinned_host" for x in self.arguments.dynamic_leaves(args, kwargs)):
+            if any(_on_host(x) for x in leaves):
                 # jax.jit refuses arithmetic on host memory: host-kept state goes to the device first.
                 args, kwargs = self.arguments.map_dynamic(_device_if_on_host, args, kwargs)
             return self._jitted(*args, **kwargs)
-        leaves = self.arguments.dynamic_leaves(args, kwargs)
         moved = [_to_memory(x, kind) for x, kind in zip(leaves, built.input_kinds)]
         copies = [leaf is not original for original, leaf in zip(leaves, moved)]
         # Donated arguments already in host memory are kept until the call has succeeded: a failed
@@ -168,9 +167,9 @@ class OocJitted:
             for function, specs in zip(built.segment_functions, segment_specs(built.plan.jaxpr))
         )
 
-    def _entry(self, args: tuple, kwargs: dict) -> tuple[TracedStep, StepPlanner]:
+    def _entry(self, args: tuple, kwargs: dict) -> tuple[TracedStep, StepPlanner, list]:
         """The call's trace and its planner (made on first use), per signature and which arguments
-        the caller holds on the device."""
+        the caller holds on the device; and the arguments' dynamic leaves (flattened once a call)."""
         with self._lock:
             signature = self.arguments.signature(args, kwargs)
             if signature not in self._traces:
@@ -184,7 +183,7 @@ class OocJitted:
                 self._planners[key] = StepPlanner(
                     traced, self.budget_bytes, self.options, held_by_caller=held, host_bytes_in_use=on_host
                 )
-            return traced, self._planners[key]
+            return traced, self._planners[key], leaves
 
 
 def _name(fun: Callable) -> str:

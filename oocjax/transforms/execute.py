@@ -30,7 +30,6 @@ what the launch allocates is over the budget, until nothing is left to wait on.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -308,6 +307,7 @@ class ChainExecutor:
     ):
         self.chain, self.programs, self.costs, self.budget_bytes = chain, list(programs), list(costs), budget_bytes
         self.functions = list(functions)  # the jitted segments, run instead under jax_debug_nans / _infs
+        self._checked_functions: dict[int, Callable] = {}  # those segments without donation, made when first run
         jaxpr = chain.jaxpr
         self.last_use: dict[Any, int] = {}
         for i, eqn in enumerate(jaxpr.eqns):
@@ -406,13 +406,14 @@ class ChainExecutor:
         env.clear()
         memory.start_call()
 
-    @functools.cache  # noqa: B019 (one per executor and segment, as long as the executor lives)
     def _checked(self, segment: int) -> Callable:
         """The segment as ``jax.jit`` runs it under ``jax_debug_nans`` / ``_infs``: donating nothing,
         so that on a NaN or inf jax can run its equations again one by one and raise a
         ``FloatingPointError`` naming the operation (``transforms.segment`` adds the source line)."""
-        device = self.device
-        return jax.jit(self.functions[segment].__wrapped__, in_shardings=device, out_shardings=device)
+        if segment not in self._checked_functions:
+            function, device = self.functions[segment].__wrapped__, self.device
+            self._checked_functions[segment] = jax.jit(function, in_shardings=device, out_shardings=device)
+        return self._checked_functions[segment]
 
     def _measure(self, peak_before: int | None) -> None:
         """Sets ``measured_peak_bytes`` for the call just made. Allocations happen when work is
