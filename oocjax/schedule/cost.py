@@ -111,9 +111,8 @@ PROFILES: dict[str, DeviceProfile] = {
             d2h_bytes_per_s=5e9,
             op_overhead_s=2e-6,
             copy_latency_s=1e-6,
-            # Measured on this project's 2-core CPU: a transformer step at 60% of in-core took 174 ms
-            # moving 21 MiB and 99 ms recomputing instead (9 MiB moved), where copies beside compute
-            # would predict the two within 5%: a copy here takes the cores the step runs on.
+            # A copy here is a memcpy on the cores the step runs on, not a copy engine beside them
+            # (benchmarks/hybrid.py measures what that costs: results/hybrid-cpu-*.json).
             copies_overlap_compute=False,
             source="rough estimate for a 2-core x86 machine, not measured per machine",
         ),
