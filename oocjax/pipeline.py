@@ -32,9 +32,9 @@ from oocjax.schedule.segments import (
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatProgram
 from oocjax.transforms.calibrate import measure_profile
-from oocjax.transforms.execute import ChainExecutor, compile_segments
+from oocjax.transforms.execute import ChainExecutor
 from oocjax.transforms.recompute import apply_rewrite, recomputable_steps
-from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
+from oocjax.transforms.segment import build_chain, chain_function, chain_jaxpr, compile_segments, segment_functions
 from oocjax.transforms.trace import TracedStep
 
 MAX_REPLANS = 4  # closed loop on the budget: re-plans after the compiled segments came out too large
@@ -217,8 +217,9 @@ class StepPlanner:
             segments = cut_segments(program, schedule, budget_bytes=budget.planned_bytes, **cuts)
             _refuse_invalid("chain of segments", check_segments(program, schedule, segments))
             _refuse_tokens_between(segments, flat.avals)
-            functions, chain = _chain(flat, program, schedule, segments, described["input_kinds"])
-            programs, costs = compile_segments(chain, functions, self.compiled)
+            labels = [buffer.label for buffer in program.buffers]
+            functions = tuple(segment_functions(flat, segments, labels))
+            programs, costs = compile_segments(flat, segments, functions, self.compiled)
             peak, worst = executed_peak(segments, costs)
             history.append((budget.planned_bytes, peak))
             if peak <= budget.planned_bytes:
@@ -232,8 +233,10 @@ class StepPlanner:
             program = with_measured_scratch(program, segments, costs, budget.planned_bytes)
             schedule = _plan(program, budget, options, history, worst_text)
         measured = dict(segments=segments, segment_costs=tuple(costs), executed_peak_bytes=peak)
-        plan = Plan.build(program=program, jaxpr=chain, attempts=tuple(m for _, m in history), **measured, **described)
-        return BuiltStep(plan, ChainExecutor(chain, programs, costs, budget.planned_bytes, functions), functions)
+        shown = chain_jaxpr(chain_function(flat, schedule, segments, functions, labels), flat, described["input_kinds"])
+        plan = Plan.build(program=program, jaxpr=shown, attempts=tuple(m for _, m in history), **measured, **described)
+        chain = build_chain(flat, schedule, segments, programs, costs, labels)
+        return BuiltStep(plan, ChainExecutor(chain, budget.planned_bytes, functions), functions)
 
 
 # XLA:CPU drops optimization barriers before its last common-subexpression pass, so inside one
@@ -331,14 +334,6 @@ def _refuse_tokens_between(segments: tuple[Segment, ...], avals: tuple) -> None:
             "Fixes:\n  1. create and use each token within a small part of the step;\n"
             "  2. raise the budget to the in-core estimate, where the step runs as jax.jit's one program."
         )
-
-
-def _chain(flat: FlatProgram, program: Program, schedule: Any, segments: tuple, input_kinds: tuple) -> tuple:
-    """One jitted function per segment, and the chain's jaxpr (transfers named for their values)."""
-    labels = [buffer.label for buffer in program.buffers]
-    functions = tuple(segment_functions(flat, segments, labels))
-    chain = chain_function(flat, schedule, segments, functions, labels)
-    return functions, chain_jaxpr(chain, flat, input_kinds)
 
 
 def _choose(program: Program, flat: FlatProgram, budget: Budget, options: PlannerOptions) -> HybridPlan:

@@ -84,14 +84,14 @@ def cnn_batchnorm_momentum() -> Case:
     )
 
 
-def transformer_dropout_adamw() -> Case:
+def transformer_dropout_adamw(layers: int = 4) -> Case:
     # No attention biases: the key bias has an exactly zero gradient (softmax ignores a shift along the
     # keys), so Adam would amplify rounding noise in it to the size of the learning rate.
     model = Transformer(
         vocab=50,
         width=64,
         heads=4,
-        layers=4,
+        layers=layers,
         causal=False,
         dropout_rate=0.1,
         attention_bias=False,

@@ -1,11 +1,11 @@
-"""Running the chain of segments: compile each distinct segment once, then interpret the chain's
-jaxpr with real transfers, real waits and a byte gate on how far dispatch runs ahead.
+"""Running the chain of segments (``transforms.segment.Chain``) with real transfers, real waits and
+a byte gate on how far dispatch runs ahead.
 
-The loop is ``eval_jaxpr``'s: read the operands, apply the equation, drop every value whose last
-use it was. What it adds is memory accounting, because on a GPU a launch allocates its outputs and
-scratch when the host *enqueues* it, and memory given back (a dropped argument, an offloaded
-source) is free only once the work using it has finished (JAX_XLA_NOTES.md, "Running a plan as
-segments"). So the executor counts
+The loop is ``eval_jaxpr``'s, over records decoded once per plan: per segment, wait, prefetch,
+launch, offload, and drop every slot whose last use that was. What it adds is memory accounting,
+because on a GPU a launch allocates its outputs and scratch when the host *enqueues* it, and
+memory given back (a dropped argument, an offloaded source) is free only once the work using it
+has finished (JAX_XLA_NOTES.md, "Running a plan as segments"). So the executor counts
 
 * ``held``: device arrays it references (arguments, segment results, prefetched copies);
 * ``pending``: memory it has let go of that may still be in use, each entry with an array that is
@@ -30,10 +30,8 @@ what the launch allocates is over the budget, until nothing is left to wait on.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +40,7 @@ import jax
 from oocjax.schedule.segments import SegmentCost
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.memories import memory_kind, sharding, spec
+from oocjax.transforms.segment import Chain, SegmentRun
 
 ALLOCATOR_GATE = True  # also wait on the allocator's bytes in use, where the device reports them
 
@@ -84,48 +83,8 @@ def observe_segments(callback: Callable[[Launch], None]) -> Iterator[None]:
 
 
 def segment_specs(chain: jc.ClosedJaxpr) -> list[list[jax.ShapeDtypeStruct]]:
-    """Per segment call of ``chain``, its arguments' types, on the device."""
+    """Per segment call of a chain's jaxpr (``Plan.jaxpr``), its arguments' types, on the device."""
     return [[spec(v.aval, "device") for v in eqn.invars] for eqn in chain.jaxpr.eqns if eqn.primitive is jc.jit_p]
-
-
-def compile_segments(
-    chain: jc.ClosedJaxpr, functions: Sequence[Callable], cache: dict | None = None
-) -> tuple[list[Any], list[SegmentCost]]:
-    """One compiled program per segment of ``chain``; segments with the same jaxpr, donation and
-    argument types share one, also with the programs in ``cache`` (from an earlier plan of the
-    same step), which gains the new ones. Distinct programs compile in parallel threads (XLA
-    releases the GIL while it compiles)."""
-    cache = {} if cache is None else cache
-    with warnings.catch_warnings():
-        # A donated argument no output can reuse is still freed after the segment: not worth a warning.
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        return _compile_segments(chain, functions, cache)
-
-
-def _compile_segments(chain: jc.ClosedJaxpr, functions: Sequence[Callable], cache: dict) -> tuple[list, list]:
-    calls = [eqn for eqn in chain.jaxpr.eqns if eqn.primitive is jc.jit_p]
-    keys, lowered = [], {}
-    for eqn, function, specs in zip(calls, functions, segment_specs(chain), strict=True):
-        body = eqn.params["jaxpr"]
-        # The printed jaxpr holds every shape, primitive, parameter and literal; constants are not
-        # printed, so their identities are part of the key.
-        key = (str(body.jaxpr), tuple(map(id, body.consts)), eqn.params["donated_invars"])
-        if key not in cache and key not in lowered:
-            lowered[key] = function.trace(*specs).lower()
-        keys.append(key)
-    with ThreadPoolExecutor() as pool:
-        cache.update(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
-    programs = [cache[key] for key in keys]
-    return programs, [_cost(program) for program in programs]
-
-
-def _cost(compiled: Any) -> SegmentCost:
-    stats = compiled.memory_analysis()
-    return SegmentCost(
-        temp_bytes=int(stats.temp_size_in_bytes),
-        output_bytes=int(stats.output_size_in_bytes),
-        alias_bytes=int(stats.alias_size_in_bytes),
-    )
 
 
 def _stat_reader(device: jax.Device, stat: str) -> Callable[[], int | None] | None:
@@ -287,7 +246,7 @@ def _wait(probe: Any) -> None:
 
 
 class ChainExecutor:
-    """Runs a chain jaxpr (``transforms.segment``) on the step's flat arguments.
+    """Runs a ``Chain`` (``transforms.segment.build_chain``) on the step's flat arguments.
 
     Where the device reports its allocator's statistics, each call also measures its own peak,
     ``measured_peak_bytes``: the allocator's count at each launch plus what the launch allocates,
@@ -297,27 +256,11 @@ class ChainExecutor:
 
     measured_peak_bytes: int | None = None  # of the last call; None where the device reports nothing
 
-    def __init__(
-        self,
-        chain: jc.ClosedJaxpr,
-        programs: Sequence[Any],
-        costs: Sequence[SegmentCost],
-        budget_bytes: int,
-        functions: Sequence[Callable] = (),
-    ):
-        self.chain, self.programs, self.costs, self.budget_bytes = chain, list(programs), list(costs), budget_bytes
+    def __init__(self, chain: Chain, budget_bytes: int, functions: Sequence[Callable] = ()):
+        self.chain, self.budget_bytes = chain, budget_bytes
         self.functions = list(functions)  # the jitted segments, run instead under jax_debug_nans / _infs
         self._checked_functions: dict[int, Callable] = {}  # those segments without donation, made when first run
-        jaxpr = chain.jaxpr
-        self.last_use: dict[Any, int] = {}
-        for i, eqn in enumerate(jaxpr.eqns):
-            for v in eqn.invars:
-                if isinstance(v, jc.Var):
-                    self.last_use[v] = i
-        for v in jaxpr.outvars:
-            if isinstance(v, jc.Var):
-                self.last_use[v] = len(jaxpr.eqns)  # returned: never dropped
-        self.argument_index = {v: i for i, v in enumerate(jaxpr.invars)}
+        self.argument_of_slot = {slot: i for i, slot in enumerate(chain.argument_slots)}
         self.consumed_arguments: list[int] = []  # of the last call: caller's arrays a launch consumed
         self.host, self.device = sharding("pinned_host"), sharding("device")
         device = next(iter(self.device.device_set))
@@ -333,77 +276,110 @@ class ChainExecutor:
         or is interrupted between segments, it waits for the work in flight, deletes what it made
         and lets go of everything else before the error propagates; ``consumed_arguments`` then
         lists the arguments whose device buffers a launch had consumed (donated)."""
-        memory = self.memory
+        memory, chain = self.memory, self.chain
         memory.start_call()
         self.consumed_arguments = []
         peak_before = self.peak_in_use() if self.peak_in_use is not None else None
         self._launch_peak: int | None = None
-        env: dict[Any, Any] = {}
+        slots: list[Any] = [None] * chain.num_slots
+        owned = list(owned) or [False] * len(arguments)
+        # The caller's arrays (and the constants): let go of, never deleted, if the call fails.
+        self._callers = {id(x) for _, x in chain.constants} | {id(x) for x, mine in zip(arguments, owned) if not mine}
         try:
-            self._bind_arguments(env, arguments, list(owned) or [False] * len(arguments))
-            self._run(env)
+            for slot, x in chain.constants:
+                slots[slot] = x
+                memory.hold(x, owned=False)
+            for slot, x, mine in zip(chain.argument_slots, arguments, owned, strict=True):
+                slots[slot] = x
+                memory.hold(x, owned=mine)
+            arguments.clear()
+            memory.count_foreign()
+            for run in chain.runs:
+                self._run(run, slots)
+            results = [r.val if isinstance(r, jc.Literal) else slots[r] for r in chain.results]
         except BaseException:
-            self._abandon(env)
+            self._abandon(slots)
             raise
         self._measure(peak_before)
-        return [v.val if isinstance(v, jc.Literal) else env[v] for v in self.chain.jaxpr.outvars]
+        return results
 
-    def _bind_arguments(self, env: dict, arguments: list[Any], owned: list[bool]) -> None:
-        jaxpr = self.chain.jaxpr
-        for v, x in zip(jaxpr.constvars, self.chain.consts, strict=True):
-            self._write(env, v, x, owned=False)
-        for v, x, mine in zip(jaxpr.invars, arguments, owned, strict=True):
-            self._write(env, v, x, owned=mine)
-        arguments.clear()
-        self.memory.count_foreign()
+    def _run(self, run: SegmentRun, slots: list[Any]) -> None:
+        """One segment: its waits, prefetches, launch and offloads, each slot dropped at its last use."""
+        memory, host_offset, names = self.memory, self.chain.host_offset, iter(run.names)
+        for slot in run.waits:
+            # Named as in the chain (``oocjax.wait(<value>)``): a profiler trace says what moves.
+            with jax.profiler.TraceAnnotation(next(names)):
+                slots[slot].block_until_ready()
+        for b, nbytes in zip(run.prefetches, run.prefetch_bytes):
+            memory.make_room(nbytes)
+            with jax.profiler.TraceAnnotation(next(names)):
+                slots[b] = x = jax.device_put(slots[b + host_offset], self.device)
+            memory.hold(x, owned=True)
+        for slot in run.dropped_after_prefetches:
+            slots[slot] = None
+        inputs = [slots[b] for b in run.inputs]
+        outputs = self._launch(run, inputs)
+        del inputs
+        for b, x in zip(run.outputs, outputs):
+            slots[b] = x
+            memory.hold(x, owned=True)
+        dying = [slots[b] for b in run.dropped_after_launch]
+        for b in run.dropped_after_launch:
+            slots[b] = None
+        memory.release(dying, probe=_probe(outputs), extra_bytes=run.cost.temp_bytes - run.cost.alias_bytes)
+        del dying, outputs
+        for b, last in zip(run.offloads, run.dropped_after_offload):
+            with jax.profiler.TraceAnnotation(next(names)):
+                slots[b + host_offset] = copy = jax.device_put(slots[b], self.host)
+            if last:
+                memory.release([slots[b]], probe=copy)
+                slots[b] = None
 
-    def _write(self, env: dict, v: Any, x: Any, owned: bool = True) -> None:
-        if v in self.last_use:
-            env[v] = x
-            self.memory.hold(x, owned=owned)
+    def _launch(self, run: SegmentRun, inputs: list[Any]) -> list[Any]:
+        """Launches a segment once there is room for it; its results."""
+        memory, cost = self.memory, run.cost
+        memory.make_room(cost.launch_bytes)
+        if _observer is not None:
+            _observer(
+                Launch(
+                    segment=run.index,
+                    cost=cost,
+                    held_bytes=memory.held,
+                    in_flight_bytes=memory.pending_bytes,
+                    allocator_bytes=memory.allocator_bytes,
+                    foreign_bytes=memory.foreign_bytes,
+                )
+            )
+        if memory.allocator_bytes is not None:
+            at_launch = memory.allocator_bytes - memory.foreign_bytes + cost.launch_bytes
+            self._launch_peak = max(self._launch_peak or 0, at_launch)
+        if self.functions and (jax.config.jax_debug_nans or jax.config.jax_debug_infs):
+            outputs = self._checked(run.index)(*inputs)
+        else:
+            outputs = run.program(*inputs)
+        probe = _probe(outputs)
+        if any(run.donated):
+            donated = [x for x, d in zip(inputs, run.donated) if d]
+            memory.consumed(donated, probe)
+            self.consumed_arguments += [
+                self.argument_of_slot[b]
+                for b, d, x in zip(run.inputs, run.donated, inputs)
+                if d and b in self.argument_of_slot and id(x) not in memory.owned and x.is_deleted()
+            ]
+        memory.launched(probe)
+        return outputs
 
-    def _write_all(self, env: dict, outvars: Sequence[Any], outvals: Sequence[Any]) -> None:
-        for v, x in zip(outvars, outvals, strict=True):
-            self._write(env, v, x)
-
-    def _run(self, env: dict) -> None:
-        """``eval_jaxpr``'s loop over the chain: launches, transfers and waits, in order."""
-        memory, segment = self.memory, 0
-        for i, eqn in enumerate(self.chain.jaxpr.eqns):
-            invals = [v.val if isinstance(v, jc.Literal) else env[v] for v in eqn.invars]
-            extra = 0
-            if eqn.primitive is jc.jit_p:
-                outvals, extra = self._launch(segment, eqn, invals)
-                segment += 1
-            elif eqn.primitive is jc.device_put_p:
-                to_host = eqn.params["devices"][0] == jax.memory.Space.Host
-                if not to_host:
-                    memory.make_room(invals[0].nbytes)
-                # Named as in the chain (``oocjax.offload(<value>)``): a profiler trace says what moves.
-                with jax.profiler.TraceAnnotation(str(eqn.source_info.name_stack)):
-                    outvals = [jax.device_put(invals[0], self.host if to_host else self.device)]
-            elif eqn.primitive is jc.wait_p:
-                with jax.profiler.TraceAnnotation(str(eqn.source_info.name_stack)):
-                    outvals = [invals[0].block_until_ready()]
-            else:
-                raise AssertionError(f"a chain holds segments, transfers and waits only, not {eqn.primitive}")
-            self._write_all(env, eqn.outvars, outvals)
-            dying = [env.pop(v) for v in dict.fromkeys(eqn.invars) if isinstance(v, jc.Var) and self.last_use[v] == i]
-            memory.release(dying, probe=_probe(outvals), extra_bytes=extra)
-            del invals, outvals, dying  # no reference may outlive its last use (nor a failed call)
-
-    def _abandon(self, env: dict) -> None:
+    def _abandon(self, slots: list[Any]) -> None:
         """After a failure: nothing of the call may stay alive through the exception. Work in flight
         is waited for (its memory is then free and the next call's account starts clean), arrays
         the executor made are deleted, and the caller's are let go of."""
-        memory, given = self.memory, {*self.chain.jaxpr.constvars, *self.argument_index}
+        memory = self.memory
         with contextlib.suppress(Exception):  # the failed work itself may raise again when waited on
             memory.drain()
-        for v, x in env.items():
-            made_here = v not in given or id(x) in memory.owned  # results, copies, prefetches, offloads
-            if made_here and isinstance(x, jax.Array) and not x.is_deleted():
+        for x in slots:  # results, copies, prefetches, offloads, and copies made for the call (``owned``)
+            if isinstance(x, jax.Array) and id(x) not in self._callers and not x.is_deleted():
                 x.delete()
-        env.clear()
+        slots.clear()
         memory.start_call()
 
     def _checked(self, segment: int) -> Callable:
@@ -424,37 +400,3 @@ class ChainExecutor:
         )
         samples = [x for x in (self._launch_peak, raised) if x is not None]
         self.measured_peak_bytes = max(samples) if samples else None
-
-    def _launch(self, segment: int, eqn: Any, invals: list[Any]) -> tuple[list[Any], int]:
-        """Launches a segment once there is room for it: its results, and the scratch it lets go of."""
-        memory, cost = self.memory, self.costs[segment]
-        memory.make_room(cost.launch_bytes)
-        if _observer is not None:
-            _observer(
-                Launch(
-                    segment=segment,
-                    cost=cost,
-                    held_bytes=memory.held,
-                    in_flight_bytes=memory.pending_bytes,
-                    allocator_bytes=memory.allocator_bytes,
-                    foreign_bytes=memory.foreign_bytes,
-                )
-            )
-        if memory.allocator_bytes is not None:
-            at_launch = memory.allocator_bytes - memory.foreign_bytes + cost.launch_bytes
-            self._launch_peak = max(self._launch_peak or 0, at_launch)
-        if self.functions and (jax.config.jax_debug_nans or jax.config.jax_debug_infs):
-            outvals = self._checked(segment)(*invals)
-        else:
-            outvals = self.programs[segment](*invals)
-        probe = _probe(outvals)
-        donated = [x for x, d in zip(invals, eqn.params["donated_invars"]) if d]
-        if donated:
-            memory.consumed(donated, probe)
-            self.consumed_arguments += [
-                self.argument_index[v]
-                for v, d, x in zip(eqn.invars, eqn.params["donated_invars"], invals)
-                if d and v in self.argument_index and id(x) not in memory.owned and x.is_deleted()
-            ]
-        memory.launched(probe)
-        return outvals, cost.temp_bytes - cost.alias_bytes

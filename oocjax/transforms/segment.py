@@ -1,24 +1,32 @@
-"""From segments back to JAX: one jitted function per segment, and the chain as a jaxpr people read.
+"""A segment on the JAX side: its jitted function, its compiled program, and the chain of records
+the executor runs.
 
-The chain's jaxpr is the step as it runs: its top-level equations are, in execution order, the
-waits for offloads (``ooc_wait``), the prefetches (``device_put`` to device memory), the segment
-calls (``jit`` equations named ``segment_<i>``, each holding its part of the step), and the
-offloads (``device_put`` to host memory). ``transforms.execute`` runs it; ``Plan.jaxpr`` shows it.
+``schedule.segments`` decides where a planned step is cut (pure Python); this module turns those
+segments into programs and into the chain: one ``SegmentRun`` record per segment, built once per
+plan, holding everything a launch needs (the program, the argument slots, the transfers and waits
+around it, the slots it lets go of), so that the executor (``transforms.execute``) does no
+decoding per call. The chain's jaxpr (``chain_jaxpr``) is for people to read: its top-level
+equations are, in execution order, the waits for offloads (``ooc_wait``), the prefetches
+(``device_put`` to device memory), the segment calls (``jit`` equations named ``segment_<i>``)
+and the offloads (``device_put`` to host memory); ``Plan.jaxpr`` shows it.
 
 Segments receive their constants as arguments, so that two segments of the same shape (repeated
-layers) have the same jaxpr and can share one compiled program.
+layers) have the same jaxpr and share one compiled program.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 
 from oocjax.schedule import Schedule
-from oocjax.schedule.segments import Segment
+from oocjax.schedule.segments import Segment, SegmentCost
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatEquation, FlatProgram
 from oocjax.transforms.memories import sharding, spec
@@ -149,3 +157,182 @@ def chain_function(
 def chain_jaxpr(chain: Callable, flat: FlatProgram, input_kinds: Sequence[str]) -> jc.ClosedJaxpr:
     """The chain traced over the step's flat argument types."""
     return jax.make_jaxpr(chain)(*(spec(aval, kind) for aval, kind in zip(flat.avals, input_kinds)))
+
+
+# -- compiled programs --------------------------------------------------------------------------
+
+
+def segment_specs(flat: FlatProgram, segment: Segment) -> list[jax.ShapeDtypeStruct]:
+    """The segment's arguments' types, on the device."""
+    return [spec(flat.avals[b], "device") for b in segment.inputs]
+
+
+def compile_segments(
+    flat: FlatProgram, segments: Sequence[Segment], functions: Sequence[Callable], cache: dict | None = None
+) -> tuple[list[Any], list[SegmentCost]]:
+    """One compiled program per segment; segments with the same jaxpr and donation share one, also
+    with the programs in ``cache`` (from an earlier plan of the same step), which gains the new
+    ones. Distinct programs compile in parallel threads (XLA releases the GIL while it compiles)."""
+    cache = {} if cache is None else cache
+    keys, lowered = [], {}
+    with warnings.catch_warnings():
+        # A donated argument no output can reuse is still freed after the segment: not worth a warning.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        for segment, function in zip(segments, functions, strict=True):
+            traced = function.trace(*segment_specs(flat, segment))
+            body = traced.jaxpr
+            # The printed jaxpr holds every shape, primitive, parameter and literal; constants are
+            # not printed, so their identities are part of the key.
+            key = (str(body.jaxpr), tuple(map(id, body.consts)), _donated(segment))
+            if key not in cache and key not in lowered:
+                lowered[key] = traced.lower()
+            keys.append(key)
+        with ThreadPoolExecutor() as pool:
+            cache.update(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+    programs = [cache[key] for key in keys]
+    return programs, [_cost(program) for program in programs]
+
+
+def _donated(segment: Segment) -> tuple[bool, ...]:
+    return tuple(b in segment.donated for b in segment.inputs)
+
+
+def _cost(compiled: Any) -> SegmentCost:
+    stats = compiled.memory_analysis()
+    return SegmentCost(
+        temp_bytes=int(stats.temp_size_in_bytes),
+        output_bytes=int(stats.output_size_in_bytes),
+        alias_bytes=int(stats.alias_size_in_bytes),
+    )
+
+
+# -- the chain the executor runs ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SegmentRun:
+    """One segment as the executor runs it, with the transfers and waits around it.
+
+    Values live in slots: buffer ``b``'s device copy in slot ``b``, its host copy in slot
+    ``b + Chain.host_offset``. Around the launch, in order: wait for ``waits`` (host slots: offloads
+    whose device memory the launch needs), copy ``prefetches`` (buffers) to the device, drop
+    ``dropped_after_prefetches`` (host slots the waits or prefetches read for the last time), launch ``program`` on the
+    ``inputs`` slots (``donated`` per input) into the ``outputs`` slots, drop ``dropped_after_launch``
+    (device slots read for the last time), then copy ``offloads`` (buffers) to host, dropping each
+    one's device copy where ``dropped_after_offload`` says it was its last use.
+    """
+
+    index: int
+    program: Any
+    cost: SegmentCost
+    waits: tuple[int, ...]
+    prefetches: tuple[int, ...]
+    dropped_after_prefetches: tuple[int, ...]
+    inputs: tuple[int, ...]
+    donated: tuple[bool, ...]
+    outputs: tuple[int, ...]
+    dropped_after_launch: tuple[int, ...]
+    offloads: tuple[int, ...]
+    dropped_after_offload: tuple[bool, ...]
+    prefetch_bytes: tuple[int, ...]  # per prefetch, what it allocates on the device
+    names: tuple[str, ...]  # per wait, prefetch and offload, in that order: ``oocjax.offload(<value>)``
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Chain:
+    """A planned step as the executor runs it: its segments in order, and where the step's
+    arguments, constants and results live (slots, as in ``SegmentRun``)."""
+
+    runs: tuple[SegmentRun, ...]
+    host_offset: int
+    argument_slots: tuple[int, ...]
+    constants: tuple[tuple[int, Any], ...]  # (slot, value)
+    results: tuple[Any, ...]  # per result of the step: its slot, or a ``Literal``
+
+    @property
+    def num_slots(self) -> int:
+        return 2 * self.host_offset
+
+
+def build_chain(
+    flat: FlatProgram,
+    schedule: Schedule,
+    segments: Sequence[Segment],
+    programs: Sequence[Any],
+    costs: Sequence[SegmentCost],
+    labels: Sequence[str] = (),
+) -> Chain:
+    """The records the executor runs: ``chain_function``'s order of waits, prefetches, launches and
+    offloads, with every slot's last use found once here rather than per call."""
+    host = len(flat.avals)
+    results = tuple(
+        r if isinstance(r, jc.Literal) else r + host if r in schedule.host_outputs else r for r in flat.outputs
+    )
+    # Per segment, the slots each of its four phases reads and writes, to find last uses walking back.
+    phases = [
+        [
+            ([host + b for b in s.waits], []),
+            ([host + b for b in s.prefetches], list(s.prefetches)),
+            (list(s.inputs), list(s.outputs)),
+            (list(s.offloads), [host + b for b in s.offloads]),
+        ]
+        for s in segments
+    ]
+    live = {r for r in results if not isinstance(r, jc.Literal)}
+    last_reads: list[list[set[int]]] = []
+    for segment_phases in reversed(phases):
+        found = []
+        for reads, writes in reversed(segment_phases):
+            live.difference_update(writes)
+            found.append({r for r in reads if r not in live})
+            live.update(reads)
+        last_reads.append(found[::-1])
+    last_reads.reverse()
+
+    def name(what: str, b: int) -> str:
+        label = labels[b] if b < len(labels) else f"buffer {b}"
+        return f"oocjax.{what}({label})"
+
+    nbytes = [_nbytes(aval) for aval in flat.avals]
+    runs = tuple(
+        SegmentRun(
+            index=i,
+            program=program,
+            cost=cost,
+            waits=tuple(host + b for b in s.waits),
+            prefetches=s.prefetches,
+            dropped_after_prefetches=tuple(sorted(last[0] | last[1])),
+            inputs=s.inputs,
+            donated=_donated(s),
+            outputs=s.outputs,
+            dropped_after_launch=tuple(b for b in dict.fromkeys(s.inputs) if b in last[2]),
+            offloads=s.offloads,
+            dropped_after_offload=tuple(b in last[3] for b in s.offloads),
+            prefetch_bytes=tuple(nbytes[b] for b in s.prefetches),
+            names=(
+                *(name("wait", b) for b in s.waits),
+                *(name("prefetch", b) for b in s.prefetches),
+                *(name("offload", b) for b in s.offloads),
+            ),
+        )
+        for i, (s, program, cost, last) in enumerate(zip(segments, programs, costs, last_reads, strict=True))
+    )
+    return Chain(
+        runs=runs,
+        host_offset=host,
+        argument_slots=tuple(b + host if b in schedule.host_inputs else b for b in range(flat.num_inputs)),
+        constants=tuple(flat.constants),
+        results=results,
+    )
+
+
+def _nbytes(aval: Any) -> int:
+    shape = getattr(aval, "shape", None)
+    return 0 if shape is None else int(aval.dtype.itemsize * _size(shape))
+
+
+def _size(shape: Sequence[int]) -> int:
+    size = 1
+    for d in shape:
+        size *= d
+    return size
