@@ -206,6 +206,8 @@ def cut_segments(
     min_segment_flops: int = 0,
     min_segments: int = 1,
     cut_before: Iterable[int] = (),
+    layers: Sequence[tuple[int, int, str]] = (),
+    copies: Sequence[tuple[int, int]] = (),
 ) -> tuple[Segment, ...]:
     """Cuts a planned program into segments that each fit ``budget_bytes`` by the estimate.
 
@@ -214,8 +216,11 @@ def cut_segments(
       budget_bytes: the device budget every segment must fit, arguments and results included.
       min_segment_flops: merge a segment with less work into the next one where that still fits.
       min_segments: cut into at least this many segments (for measuring the executor's overhead).
-      cut_before: steps that must start a segment, never merged away (recomputed values, where
-        the compiler would merge a copy with its original inside one program).
+      cut_before: steps that must start a segment, never merged away.
+      layers: ``(start, stop, kind)`` per run of a layer's steps (``transforms.layers``): groups
+        of layers alike start segments (``layer_cuts``), so that they share programs.
+      copies: ``(original, copy)`` steps never to run in one segment (where the compiler would
+        merge a recomputed value back into its original inside one program).
 
     >>> from oocjax.schedule import Program, keep_all
     >>> p = Program.from_ops([("f", ["x"], ["y"]), ("g", ["y"], ["z"])], {"x": 8, "y": 8, "z": 8},
@@ -231,23 +236,100 @@ def cut_segments(
     cuts |= {m.done_before_step for m in schedule.offloads if m.done_before_step is not None}
     if min_segments > 1:
         cuts |= {n * i // min_segments for i in range(min_segments)}
-    hard = frozenset(cut_before)
+    hard = frozenset(cut_before) | layer_cuts(program, layers, min_segment_flops)
     bounds = [*sorted(c for c in cuts | hard if c < n), n]
     ranges = [r for a, y in pairwise(bounds) for r in cutter.split_to_fit(a, y, budget_bytes)]
+    original_of = dict((c, o) for o, c in copies)
+    ranges = [r for a, y in ranges for r in _apart(a, y, original_of)]
     if min_segments <= 1:
-        ranges = _merge_small(cutter, ranges, budget_bytes, min_segment_flops, hard)
+        ranges = _merge_small(cutter, ranges, budget_bytes, min_segment_flops, hard, original_of)
     starts = [None, *(a for a, _ in ranges)]
     return tuple(cutter.segment(a, y, previous) for (a, y), previous in zip(ranges, starts))
 
 
+def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flops: int) -> frozenset[int]:
+    """The steps where groups of layers begin, and where each pass's last layer ends. In each pass
+    (a kind's first word tells the backward's from the forward's), the runs of layers are taken in
+    groups of whole periods of their kinds (``Conv, BatchNorm, Conv, BatchNorm``: 2), enough
+    periods for ``min_flops`` of work, so that groups alike run one program and none is too small
+    to be worth a launch. A pass that makes one group only is not cut: a cut moves where XLA
+    rounds low-precision values and costs a launch, and buys no sharing there.
+
+    >>> from oocjax.schedule import Program
+    >>> p = Program.from_ops([("f", ["x"], ["y"]), ("g", ["y"], ["z"]), ("h", ["z"], ["w"])],
+    ...                      {"x": 8, "y": 8, "z": 8, "w": 8}, inputs=["x"], outputs=["w"])
+    >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 2, "Dense")], min_flops=0))
+    [0, 1, 2]
+    >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 2, "Dense")], min_flops=10**9))  # too small to share
+    []
+    """
+    cuts: set[int] = set()
+    for runs in _passes(layers):
+        kinds = [kind for _, _, kind in runs]
+        period = next(p for p in range(1, len(kinds) + 1) if kinds[p:] == kinds[:-p] or p == len(kinds))
+        blocks = [runs[i : i + period] for i in range(0, len(runs), period)]
+        flops = sorted(sum(s.flops for a, y, _ in block for s in program.steps[a:y]) for block in blocks)
+        per_group = period * max(1, -(-min_flops // max(flops[len(flops) // 2], 1)))
+        if per_group < len(runs):  # one group alone shares nothing: no cut is worth it
+            cuts.update(start for i, (start, _, _) in enumerate(runs) if i % per_group == 0)
+            cuts.add(runs[-1][1])
+    return frozenset(cuts)
+
+
+def _passes(layers: Sequence[tuple[int, int, str]]) -> list[list[tuple[int, int, str]]]:
+    """The layer runs split where the pass changes (forward, backward: the kind's first word)."""
+    passes: list[list[tuple[int, int, str]]] = []
+    phase = None
+    for run in layers:
+        kind = run[2]
+        this = kind.split(" ")[0] if " " in kind else ""
+        if not passes or this != phase:
+            passes.append([])
+            phase = this
+        passes[-1].append(run)
+    return passes
+
+
+def _apart(a: int, y: int, original_of: dict[int, int]) -> list[tuple[int, int]]:
+    """Steps a..y-1 cut before every copy that would otherwise share its segment with its original
+    or with another copy of it."""
+    ranges, start = [], a
+    for k in sorted(c for c in original_of if a <= c < y):
+        if _mixes(start, k + 1, original_of):
+            ranges.append((start, k))
+            start = k
+    return [*ranges, (start, y)]
+
+
+def _mixes(a: int, y: int, original_of: dict[int, int]) -> bool:
+    """Whether steps a..y-1 hold a copy together with its original or another copy of it."""
+    seen: set[int] = set()
+    for k in sorted(c for c in original_of if a <= c < y):
+        original = original_of[k]
+        if original >= a or original in seen:
+            return True
+        seen.add(original)
+    return False
+
+
 def _merge_small(
-    cutter: _Segmenter, ranges: list[tuple[int, int]], budget: int, min_flops: int, hard: frozenset[int]
+    cutter: _Segmenter,
+    ranges: list[tuple[int, int]],
+    budget: int,
+    min_flops: int,
+    hard: frozenset[int],
+    original_of: dict[int, int],
 ) -> list[tuple[int, int]]:
     merged = [ranges[0]]
     for a, y in ranges[1:]:
         start, stop = merged[-1]
         small = cutter.flops(start, stop) < min_flops or cutter.flops(a, y) < min_flops
-        if small and a not in hard and cutter.fits_as_one(start, y) and cutter.estimate(start, y)[1] <= budget:
+        fits = (
+            not (original_of and _mixes(start, y, original_of))
+            and cutter.fits_as_one(start, y)
+            and cutter.estimate(start, y)[1] <= budget
+        )
+        if small and a not in hard and fits:
             merged[-1] = (start, y)
         else:
             merged.append((a, y))

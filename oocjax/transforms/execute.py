@@ -304,20 +304,25 @@ class ChainExecutor:
         return results
 
     def _run(self, run: SegmentRun, slots: list[Any]) -> None:
-        """One segment: its waits, prefetches, launch and offloads, each slot dropped at its last use."""
-        memory, host_offset, names = self.memory, self.chain.host_offset, iter(run.names)
-        for slot in run.waits:
-            # Named as in the chain (``oocjax.wait(<value>)``): a profiler trace says what moves.
-            with jax.profiler.TraceAnnotation(next(names)):
-                slots[slot].block_until_ready()
-        for b, nbytes in zip(run.prefetches, run.prefetch_bytes):
-            memory.make_room(nbytes)
-            with jax.profiler.TraceAnnotation(next(names)):
-                slots[b] = x = jax.device_put(slots[b + host_offset], self.device)
-            memory.hold(x, owned=True)
+        """One segment: its waits, prefetches, launch and offloads, each slot dropped at its last use.
+        Transfers are named as in the chain (``oocjax.offload(<value>)``): a profiler trace says what moves."""
+        memory, host_offset = self.memory, self.chain.host_offset
+        if run.waits:
+            with jax.profiler.TraceAnnotation(run.names[0]):
+                for slot in run.waits:
+                    slots[slot].block_until_ready()
+        if run.prefetches:
+            memory.make_room(run.prefetch_bytes)
+            with jax.profiler.TraceAnnotation(run.names[1]):
+                copies = jax.device_put([slots[b + host_offset] for b in run.prefetches], self.device)
+            for b, x in zip(run.prefetches, copies):
+                slots[b] = x
+                memory.hold(x, owned=True)
+            del copies
         for slot in run.dropped_after_prefetches:
             slots[slot] = None
         inputs = [slots[b] for b in run.inputs]
+        inputs += run.literals
         outputs = self._launch(run, inputs)
         del inputs
         for b, x in zip(run.outputs, outputs):
@@ -328,12 +333,14 @@ class ChainExecutor:
             slots[b] = None
         memory.release(dying, probe=_probe(outputs), extra_bytes=run.cost.temp_bytes - run.cost.alias_bytes)
         del dying, outputs
-        for b, last in zip(run.offloads, run.dropped_after_offload):
-            with jax.profiler.TraceAnnotation(next(names)):
-                slots[b + host_offset] = copy = jax.device_put(slots[b], self.host)
-            if last:
-                memory.release([slots[b]], probe=copy)
-                slots[b] = None
+        if run.offloads:
+            with jax.profiler.TraceAnnotation(run.names[2]):
+                copies = jax.device_put([slots[b] for b in run.offloads], self.host)
+            for b, copy, last in zip(run.offloads, copies, run.dropped_after_offload):
+                slots[b + host_offset] = copy
+                if last:
+                    memory.release([slots[b]], probe=copy)
+                    slots[b] = None
 
     def _launch(self, run: SegmentRun, inputs: list[Any]) -> list[Any]:
         """Launches a segment once there is room for it; its results."""

@@ -29,6 +29,7 @@ from oocjax.schedule import Schedule
 from oocjax.schedule.segments import Segment, SegmentCost
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatEquation, FlatProgram
+from oocjax.transforms.layers import LIFTED_LITERALS
 from oocjax.transforms.memories import sharding, spec
 
 Host = jax.memory.Space.Host
@@ -36,17 +37,36 @@ Device = jax.memory.Space.Device
 
 
 def segment_functions(flat: FlatProgram, segments: Sequence[Segment], labels: Sequence[str] = ()) -> list[Callable]:
-    """Per segment, a jitted function of its inputs' device values returning its outputs.
-    ``labels`` (per buffer) name recomputed values in profiles: ``oocjax.recompute(<value>)``."""
+    """Per segment, a jitted function of its inputs' device values, then its lifted literals'
+    (``segment_literals``), returning its outputs. ``labels`` (per buffer) name recomputed values
+    in profiles: ``oocjax.recompute(<value>)``."""
     return [_segment_function(flat, i, segment, labels) for i, segment in enumerate(segments)]
+
+
+def segment_literals(flat: FlatProgram, segment: Segment) -> tuple[Any, ...]:
+    """The literal operands a segment takes as arguments, after its inputs (``LIFTED_LITERALS``)."""
+    return tuple(value for _, _, value in _lifted(flat.equations[segment.start : segment.stop]))
+
+
+def _lifted(equations: Sequence[FlatEquation]) -> list[tuple[int, int, Any]]:
+    """(position, operand, value) of each literal operand passed as an argument."""
+    return [
+        (position, j, r.val)
+        for position, fe in enumerate(equations)
+        if fe.eqn.primitive.name in LIFTED_LITERALS
+        for j, r in enumerate(fe.inputs)
+        if isinstance(r, jc.Literal)
+    ]
 
 
 def _segment_function(flat: FlatProgram, index: int, segment: Segment, labels: Sequence[str]) -> Callable:
     equations = flat.equations[segment.start : segment.stop]
     barriers = _copy_barriers(equations)
+    lifted = [(position, j) for position, j, _ in _lifted(equations)]
 
     def run(*values: Any) -> tuple[Any, ...]:
-        env: dict[int, Any] = dict(zip(segment.inputs, values, strict=True))
+        env: dict[int, Any] = dict(zip(segment.inputs, values, strict=False))
+        literals = dict(zip(lifted, values[len(segment.inputs) :], strict=True))
         fenced: dict[int, Any] = {}  # the current copy group's operands, through its barrier
         for position, fe in enumerate(equations):
             if fe.recompute_of is None:
@@ -55,7 +75,10 @@ def _segment_function(flat: FlatProgram, index: int, segment: Segment, labels: S
                 operands, anchor = barriers[position]
                 through, _ = jax.lax.optimization_barrier(([env[b] for b in operands], [env[b] for b in anchor]))
                 fenced = dict(zip(operands, through, strict=True))
-            invals = [r.val if isinstance(r, jc.Literal) else fenced.get(r, env[r]) for r in fe.inputs]
+            invals = [
+                literals.get((position, j), r.val) if isinstance(r, jc.Literal) else fenced.get(r, env[r])
+                for j, r in enumerate(fe.inputs)
+            ]
             env.update(zip(fe.outputs, _bind(fe, invals, labels), strict=True))
         return tuple(env[b] for b in segment.outputs)
 
@@ -134,14 +157,15 @@ def chain_function(
         host: dict[int, Any] = {}
         for b, value in enumerate(arguments):
             (host if b in schedule.host_inputs else device)[b] = value
-        for segment, function in zip(segments, functions, strict=True):
+        literals = [_on_device(segment_literals(flat, segment)) for segment in segments]
+        for segment, function, lifted in zip(segments, functions, literals, strict=True):
             for b in segment.waits:
                 with named("wait", b):
                     host[b] = jc.wait_p.bind(host[b])
             for b in segment.prefetches:
                 with named("prefetch", b):
                     device[b] = jax.device_put(host[b], Device)
-            results = function(*(device[b] for b in segment.inputs))
+            results = function(*(device[b] for b in segment.inputs), *lifted)
             device.update(zip(segment.outputs, results, strict=True))
             for b in segment.offloads:
                 with named("offload", b):
@@ -163,8 +187,9 @@ def chain_jaxpr(chain: Callable, flat: FlatProgram, input_kinds: Sequence[str]) 
 
 
 def segment_specs(flat: FlatProgram, segment: Segment) -> list[jax.ShapeDtypeStruct]:
-    """The segment's arguments' types, on the device."""
-    return [spec(flat.avals[b], "device") for b in segment.inputs]
+    """The segment's arguments' types, on the device: its inputs', then its lifted literals'."""
+    literals = segment_literals(flat, segment)
+    return [spec(flat.avals[b], "device") for b in segment.inputs] + [spec(x, "device") for x in literals]
 
 
 def compile_segments(
@@ -215,10 +240,11 @@ class SegmentRun:
 
     Values live in slots: buffer ``b``'s device copy in slot ``b``, its host copy in slot
     ``b + Chain.host_offset``. Around the launch, in order: wait for ``waits`` (host slots: offloads
-    whose device memory the launch needs), copy ``prefetches`` (buffers) to the device, drop
+    whose device memory the launch needs), copy ``prefetches`` (buffers) to the device in one
+    batch (one ``device_put`` of many arrays costs a fraction of one call per array), drop
     ``dropped_after_prefetches`` (host slots the waits or prefetches read for the last time), launch ``program`` on the
     ``inputs`` slots (``donated`` per input) into the ``outputs`` slots, drop ``dropped_after_launch``
-    (device slots read for the last time), then copy ``offloads`` (buffers) to host, dropping each
+    (device slots read for the last time), then copy ``offloads`` (buffers) to host in one batch, dropping each
     one's device copy where ``dropped_after_offload`` says it was its last use.
     """
 
@@ -234,8 +260,9 @@ class SegmentRun:
     dropped_after_launch: tuple[int, ...]
     offloads: tuple[int, ...]
     dropped_after_offload: tuple[bool, ...]
-    prefetch_bytes: tuple[int, ...]  # per prefetch, what it allocates on the device
-    names: tuple[str, ...]  # per wait, prefetch and offload, in that order: ``oocjax.offload(<value>)``
+    literals: tuple[Any, ...]  # device arrays passed after the inputs (``segment_literals``)
+    prefetch_bytes: int  # what the prefetches allocate on the device
+    names: tuple[str, str, str]  # of its waits, prefetches and offloads: ``oocjax.offload(<value>, ...)``
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -289,9 +316,8 @@ def build_chain(
         last_reads.append(found[::-1])
     last_reads.reverse()
 
-    def name(what: str, b: int) -> str:
-        label = labels[b] if b < len(labels) else f"buffer {b}"
-        return f"oocjax.{what}({label})"
+    def name(what: str, buffers: Sequence[int]) -> str:
+        return f"oocjax.{what}({', '.join(labels[b] if b < len(labels) else f'buffer {b}' for b in buffers)})"
 
     nbytes = [_nbytes(aval) for aval in flat.avals]
     runs = tuple(
@@ -308,12 +334,9 @@ def build_chain(
             dropped_after_launch=tuple(b for b in dict.fromkeys(s.inputs) if b in last[2]),
             offloads=s.offloads,
             dropped_after_offload=tuple(b in last[3] for b in s.offloads),
-            prefetch_bytes=tuple(nbytes[b] for b in s.prefetches),
-            names=(
-                *(name("wait", b) for b in s.waits),
-                *(name("prefetch", b) for b in s.prefetches),
-                *(name("offload", b) for b in s.offloads),
-            ),
+            literals=_on_device(segment_literals(flat, s)),
+            prefetch_bytes=sum(nbytes[b] for b in s.prefetches),
+            names=(name("wait", s.waits), name("prefetch", s.prefetches), name("offload", s.offloads)),
         )
         for i, (s, program, cost, last) in enumerate(zip(segments, programs, costs, last_reads, strict=True))
     )
@@ -324,6 +347,10 @@ def build_chain(
         constants=tuple(flat.constants),
         results=results,
     )
+
+
+def _on_device(values: Sequence[Any]) -> tuple[Any, ...]:
+    return tuple(jax.device_put(x, sharding("device")) for x in values)
 
 
 def _nbytes(aval: Any) -> int:
