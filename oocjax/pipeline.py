@@ -10,12 +10,13 @@ the budget, the program learns each segment's measured excess as scratch and is 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
+from oocjax import plan_cache
 from oocjax.budget import available_host_bytes, resolve_bytes
 from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.plan import Plan
@@ -33,6 +34,7 @@ from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatProgram
 from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.execute import ChainExecutor
+from oocjax.transforms.layers import layer_runs
 from oocjax.transforms.recompute import apply_rewrite, recomputable_steps
 from oocjax.transforms.segment import build_chain, chain_function, chain_jaxpr, compile_segments, segment_functions
 from oocjax.transforms.trace import TracedStep
@@ -116,6 +118,7 @@ class BuiltStep:
     plan: Plan
     executor: ChainExecutor | None
     segment_functions: tuple[Callable, ...] = ()
+    programs: tuple[Any, ...] = ()  # compiled, per segment
 
     @property
     def input_kinds(self) -> tuple[str, ...]:
@@ -165,7 +168,7 @@ class StepPlanner:
         held_by_caller: tuple[bool, ...] = (),
         host_bytes_in_use: int = 0,
     ):
-        self.traced, self.options = traced, options
+        self.traced, self.options, self.held_by_caller = traced, options, held_by_caller
         self.program = _with_held_by_caller(traced.program, held_by_caller)
         self.host_budget = _host_budget(options, host_bytes_in_use)
         self.compiled: dict = {}
@@ -197,7 +200,27 @@ class StepPlanner:
         return f"{message}; planned again with {format_bytes(headroom)} of headroom"
 
     def _build(self, budget: Budget) -> BuiltStep:
-        """Plans, cuts and compiles until the compiled segments' measured peak holds the budget.
+        """The step's plan and chain for ``budget``: read from the plan cache where an earlier
+        process made them (``oocjax.plan_cache``), else made (``_make``) and stored there."""
+        options, traced = self.options, self.traced
+        name = plan_cache.key(
+            str(traced.jaxpr), traced.donated, self.held_by_caller, budget, options, options.recompute
+        )
+        entry = plan_cache.load(name)
+        if entry is not None:
+            programs = [plan_cache.deserialize(p) for p in entry.pop("executables")]
+            return self._finish(budget, **entry, programs=programs)
+        built, entry = self._make(budget)
+        if name is not None:
+            executables = list({id(p): p for p in built.programs}.values())
+            where = {id(p): i for i, p in enumerate(executables)}
+            entry |= dict(program_index=tuple(where[id(p)] for p in built.programs))
+            plan_cache.store(name, entry | dict(executables=[plan_cache.serialize(p) for p in executables]))
+        return built
+
+    def _make(self, budget: Budget) -> tuple[BuiltStep, dict]:
+        """Plans, cuts and compiles until the compiled segments' measured peak holds the budget;
+        the step, and what the plan cache keeps of it.
 
         Raises ``BudgetInfeasibleError`` when no plan fits, and ``OocError`` when the segments still
         measure over the budget after ``MAX_REPLANS`` plans, or a plan needs more host memory than
@@ -206,19 +229,20 @@ class StepPlanner:
         choice = _choose(self.program, traced.flat, budget, options)
         program, schedule, rewrite = choice.program, choice.schedule, choice.rewrite
         flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
+        layers = layer_runs(flat)
         history, worst_text = [], ""
         while True:
-            _check_host_peak(program, schedule, self.host_budget, options.host_budget is None)
-            described = _description(traced, choice, schedule, budget)
+            entry = dict(choice=choice, program=program, schedule=schedule)
             if schedule.moves_nothing and not rewrite.recomputed and options.min_segments <= 1:
-                return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None)
+                return self._finish(budget, **entry), entry
+            _check_host_peak(program, schedule, self.host_budget, options.host_budget is None)
             cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments)
-            cuts["cut_before"] = _copy_group_starts(rewrite) if _MERGES_COPIES.get(_platform()) else ()
+            cuts["layers"] = layers
+            cuts["copies"] = _copies(flat) if _MERGES_COPIES.get(_platform()) else ()
             segments = cut_segments(program, schedule, budget_bytes=budget.planned_bytes, **cuts)
             _refuse_invalid("chain of segments", check_segments(program, schedule, segments))
             _refuse_tokens_between(segments, flat.avals)
-            labels = [buffer.label for buffer in program.buffers]
-            functions = tuple(segment_functions(flat, segments, labels))
+            functions = tuple(segment_functions(flat, segments, _labels(program)))
             programs, costs = compile_segments(flat, segments, functions, self.compiled)
             peak, worst = executed_peak(segments, costs)
             history.append((budget.planned_bytes, peak))
@@ -232,16 +256,52 @@ class StepPlanner:
             # again with that excess as scratch of their steps, so that less is held around them.
             program = with_measured_scratch(program, segments, costs, budget.planned_bytes)
             schedule = _plan(program, budget, options, history, worst_text)
-        measured = dict(segments=segments, segment_costs=tuple(costs), executed_peak_bytes=peak)
+        entry |= dict(segments=segments, costs=tuple(costs), attempts=tuple(m for _, m in history), peak=peak)
+        return self._finish(budget, **entry, programs=programs, functions=functions), entry
+
+    def _finish(
+        self,
+        budget: Budget,
+        *,
+        choice: HybridPlan,
+        program: Program,
+        schedule: Schedule,
+        segments: tuple[Segment, ...] = (),
+        costs: tuple[SegmentCost, ...] = (),
+        attempts: tuple[int, ...] = (),
+        peak: int = 0,
+        programs: Sequence[Any] = (),
+        functions: Sequence[Callable] = (),
+        program_index: tuple[int, ...] = (),
+    ) -> BuiltStep:
+        """The step that runs a plan: ``jax.jit``'s program when nothing moves, else the chain of
+        ``programs`` (per distinct program, ``program_index`` per segment, when read from the cache)."""
+        traced = self.traced
+        _check_host_peak(program, schedule, self.host_budget, self.options.host_budget is None)
+        described = _description(traced, choice, schedule, budget)
+        if not segments:
+            return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None)
+        if program_index:
+            programs = [programs[i] for i in program_index]
+        rewrite = choice.rewrite
+        flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
+        labels = _labels(program)
+        functions = functions or tuple(segment_functions(flat, segments, labels))
+        measured = dict(segments=segments, segment_costs=costs, executed_peak_bytes=peak)
         shown = chain_jaxpr(chain_function(flat, schedule, segments, functions, labels), flat, described["input_kinds"])
-        plan = Plan.build(program=program, jaxpr=shown, attempts=tuple(m for _, m in history), **measured, **described)
+        plan = Plan.build(program=program, jaxpr=shown, attempts=attempts, **measured, **described)
         chain = build_chain(flat, schedule, segments, programs, costs, labels)
-        return BuiltStep(plan, ChainExecutor(chain, budget.planned_bytes, functions), functions)
+        return BuiltStep(plan, ChainExecutor(chain, budget.planned_bytes, functions), functions, tuple(programs))
+
+
+def _labels(program: Program) -> list[str]:
+    return [buffer.label for buffer in program.buffers]
 
 
 # XLA:CPU drops optimization barriers before its last common-subexpression pass, so inside one
 # program a recomputed value is merged back into its original (read in its HLO pass dumps): there a
-# copy must start a program of its own. XLA:GPU removes them only after scheduling.
+# copy must not run in one program with its original or another copy of it. XLA:GPU removes them
+# only after scheduling.
 _MERGES_COPIES = {"cpu": True}
 
 
@@ -249,10 +309,9 @@ def _platform() -> str:
     return jax.devices()[0].platform
 
 
-def _copy_group_starts(rewrite: Any) -> tuple[int, ...]:
-    """The first step of each run of recomputed (copied) steps."""
-    copied = set(rewrite.copied_steps)
-    return tuple(k for k in sorted(copied) if k - 1 not in copied)
+def _copies(flat: FlatProgram) -> tuple[tuple[int, int], ...]:
+    """(original, copy) per recomputed equation."""
+    return tuple((fe.recompute_of, k) for k, fe in enumerate(flat.equations) if fe.recompute_of is not None)
 
 
 def _description(traced: TracedStep, choice: HybridPlan, schedule: Schedule, budget: Budget) -> dict:

@@ -1,0 +1,115 @@
+"""With JAX's persistent cache directory set, a plan and its compiled segments made in one process
+are read back by the next instead of being made again (``oocjax.plan_cache``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import oocjax.pipeline
+from oocjax import ooc_jit
+from tests.zoo import mlp_adam
+
+CASE = mlp_adam()
+IN_CORE = ooc_jit(CASE.step, budget=2**62).plan(CASE.state, CASE.batches[0]).baseline_peak_bytes  # before any cache
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    previous = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    yield tmp_path
+    jax.config.update("jax_compilation_cache_dir", previous)
+
+
+def fresh(state):
+    return jax.tree.map(lambda x: x.copy(), state)
+
+
+def make_step(fraction: float = 0.35, **options):
+    options = dict(recompute="off", min_offload_bytes=4096) | options
+    return ooc_jit(CASE.step, budget=int(IN_CORE * fraction), donate_argnums=(0,), **options)
+
+
+def entries(cache_dir) -> list:
+    return sorted((cache_dir / "oocjax").glob("*.pkl"))
+
+
+def test_a_new_wrapper_reads_the_plan_and_programs_instead_of_planning_and_compiling(cache_dir, monkeypatch):
+    first = make_step()
+    expected = first(fresh(CASE.state), CASE.batches[0])
+    plan = first.plan(CASE.state, CASE.batches[0])
+    assert plan.segments and plan.schedule.moves and len(entries(cache_dir)) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("planned or compiled again although the cache holds the plan")
+
+    monkeypatch.setattr(oocjax.pipeline, "_choose", refuse)
+    monkeypatch.setattr(oocjax.pipeline, "compile_segments", refuse)
+    second = make_step()
+    actual = second(fresh(CASE.state), CASE.batches[0])
+    jax.tree.map(np.testing.assert_array_equal, actual, expected)
+    again = second.plan(CASE.state, CASE.batches[0])
+    assert again.segments == plan.segments and again.segment_costs == plan.segment_costs
+    assert again.schedule == plan.schedule and again.executed_peak_bytes == plan.executed_peak_bytes
+
+
+def test_another_budget_or_options_plans_again(cache_dir):
+    make_step(0.35)(fresh(CASE.state), CASE.batches[0])
+    make_step(0.5)(fresh(CASE.state), CASE.batches[0])
+    make_step(0.35, min_offload_bytes=8192)(fresh(CASE.state), CASE.batches[0])
+    assert len(entries(cache_dir)) == 3
+
+
+def test_a_recompute_policy_function_is_never_cached(cache_dir):
+    make_step(recompute=lambda name, label: None)(fresh(CASE.state), CASE.batches[0])
+    assert entries(cache_dir) == []
+
+
+def test_an_unreadable_entry_is_ignored_with_a_warning_and_replaced(cache_dir):
+    expected = make_step()(fresh(CASE.state), CASE.batches[0])
+    (entry,) = entries(cache_dir)
+    entry.write_bytes(b"not a plan")
+    with pytest.warns(UserWarning, match="unreadable plan cache entry"):
+        actual = make_step()(fresh(CASE.state), CASE.batches[0])
+    jax.tree.map(np.testing.assert_array_equal, actual, expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        make_step().plan(CASE.state, CASE.batches[0])  # the entry was written again
+
+
+@pytest.mark.slow
+def test_a_second_process_runs_the_cached_plan_with_the_same_results(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys, jax, numpy as np
+        jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+        import oocjax.pipeline
+        from oocjax import ooc_jit
+        from tests.zoo import mlp_adam
+        case = mlp_adam()
+        in_core = ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0]).baseline_peak_bytes
+        if sys.argv[2] == "second":  # planning or compiling again would fail
+            oocjax.pipeline._choose = oocjax.pipeline.compile_segments = None
+        step = ooc_jit(case.step, budget=int(in_core * 0.35), donate_argnums=(0,), recompute="off",
+                       min_offload_bytes=4096)
+        state, metrics = step(case.state, case.batches[0])
+        np.save(sys.argv[3], np.asarray(metrics["loss"]))
+        """
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for run in ("first", "second"):
+        subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path / "cache"), run, str(tmp_path / f"{run}.npy")],
+            check=True,
+            cwd=root,
+            env=os.environ | {"PYTHONPATH": root},
+        )
+    np.testing.assert_array_equal(np.load(tmp_path / "second.npy"), np.load(tmp_path / "first.npy"))
