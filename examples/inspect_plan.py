@@ -83,7 +83,11 @@ print(plans[0.4].summary(profile="h100"))
 
 # %% [markdown]
 # ## Memory over the program
-# In-core (grey) against planned (blue), with the budget and every offload and prefetch.
+# In-core (grey) against planned (blue), with the budget, what is on host (dotted) and every offload
+# and prefetch. The x axis is the step's equations, numbered as in the summary; the shading says which
+# are the forward, the backward and the optimizer's update, and thin lines mark where each of the
+# model's layers (`Conv_0`, ... here, the root module's children) begins: a layer too narrow to name
+# goes unnamed. Under the plot, the largest moves, with the phase and layer each leaves and returns in.
 
 # %%
 for fraction, plan in plans.items():
@@ -106,7 +110,8 @@ print("\n".join(plans[0.4].pretty_jaxpr().splitlines()[:30]))
 
 # %% [markdown]
 # Plans can be saved next to experiment logs: by default a small summary of what moved
-# (`full=True` keeps the planner's program too, and loads back as a `Plan`, without the jaxprs).
+# (`full=True` keeps the planner's program and the segments too, and loads back as a `Plan`, without
+# the jaxprs).
 
 # %%
 print(plans[0.4].to_json()[:400])
@@ -116,8 +121,8 @@ Plan.from_json(plans[0.4].to_json(full=True))
 # ## A scan over layers
 # Large models stack their layers' parameters and run them with `nn.scan` (here over remat'd
 # blocks). oocjax runs such a scan one iteration at a time: each layer's values can move to host
-# and back, so the scanned model plans at the budgets an unrolled one does. The summary says
-# which loops ran per iteration.
+# and back, so the scanned model plans at the budgets an unrolled one does: here at 35% of its
+# in-core estimate. The summary says which loops ran per iteration.
 
 
 # %%

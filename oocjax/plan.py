@@ -203,15 +203,19 @@ class Plan:
         """A text report: budget, in-core and planned peaks (and where), measured peak, traffic,
         host memory and the largest moves; with a ``profile`` (a name from
         ``oocjax.schedule.cost.PROFILES`` such as ``"h100"``, or a ``DeviceProfile``), also the step
-        time simulated on that device, which is a model of it, not a measurement."""
+        time simulated on a model of that device, not a measurement; the report names the modelled
+        device and its rates, and says so when the plan was made for another."""
         from oocjax import render
 
         return render.summary(self, profile, largest=largest)
 
     def plot(self, ax: Any = None, profile: DeviceProfile | str | None = None) -> Any:
-        """Device memory over the program, in-core against planned, with the budget and every move;
-        with a ``profile``, a second panel with the compute and copy streams over time. Needs
-        matplotlib (``pip install oocjax[plot]``). Returns the axes."""
+        """Device memory over the program, in-core against planned, with the budget, what is on
+        host and every move, over the step's phases (forward, backward, optimizer) and layers,
+        shaded and named. In a figure of its own (no ``ax``), tables of the largest moves and
+        recomputed values under it; with a ``profile``, a panel with the compute and copy streams
+        over time. Needs matplotlib (``pip install oocjax[plot]``). Returns the memory axes, or
+        (memory axes, stream axes) with a profile."""
         from oocjax import plotting
 
         return plotting.plot(self, ax=ax, profile=profile)
@@ -232,15 +236,17 @@ class Plan:
 
     def to_json(self, *, full: bool = False) -> str:
         """The plan as JSON, small enough to keep beside each run's logs: device, budget, peaks,
-        traffic, attempts and every move with its label and size. ``full=True`` adds the planner's
-        program and schedule, which ``from_json`` needs to rebuild the plan."""
+        traffic, attempts and every move with its label and size. ``full=True`` adds what
+        ``from_json`` rebuilds the plan from: the planner's program and schedule, and the segments
+        the step runs as with their measured costs."""
         from oocjax import plan_json
 
         return plan_json.dumps(self, full=full)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """A plan saved with ``to_json(full=True)``; its ``jaxpr`` and ``source_jaxpr`` are None."""
+        """A plan saved with ``to_json(full=True)``, segments included; its ``jaxpr`` and
+        ``source_jaxpr`` are None (so its plot has no phases or layers), and so are its ``loops``."""
         from oocjax import plan_json
 
         return plan_json.loads(text)

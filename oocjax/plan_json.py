@@ -1,4 +1,5 @@
-"""Saving plans: a small JSON summary by default, the planner's program and schedule on request."""
+"""Saving plans: a small JSON summary by default; on request, all a ``Plan`` is rebuilt from: the
+planner's program and schedule, and the chain of segments the step ran as, with what each measured."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from oocjax.schedule import Buffer, Offload, Prefetch, Program, Schedule, Step
+from oocjax.schedule.segments import Segment, SegmentCost
 
 if TYPE_CHECKING:
     from oocjax.plan import Plan
 
-FORMAT = "oocjax.plan/3"
-# /1 held the program and schedule only; /2 had no recomputation (a /2 plan recomputes nothing).
-READABLE = ("oocjax.plan/1", "oocjax.plan/2", FORMAT)
+FORMAT = "oocjax.plan/4"
+# /1 held the program and schedule only; /2 had no recomputation (a /2 plan recomputes nothing);
+# /3 had no segments (a /3 plan loads without them, as one that moves nothing).
+READABLE = ("oocjax.plan/1", "oocjax.plan/2", "oocjax.plan/3", FORMAT)
 
 
 def dumps(plan: Plan, *, full: bool = False) -> str:
@@ -37,7 +40,14 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
         "swap_only_time_s": plan.swap_only_time_s,
     }
     if full:
-        saved |= {"program": _program(plan.program), "schedule": _schedule(plan.schedule)}
+        saved |= {
+            "program": _program(plan.program),
+            "schedule": _schedule(plan.schedule),
+            "chain": [asdict(segment) for segment in plan.segments],
+            "segment_costs": [asdict(cost) for cost in plan.segment_costs],
+            "input_kinds": list(plan.input_kinds),
+            "headroom_bytes": plan.headroom_bytes,
+        }
     return json.dumps(saved, indent=1)
 
 
@@ -63,6 +73,10 @@ def loads(text: str) -> Plan:
         device=data.get("device", ""),
         step_time_s=data.get("step_time_s"),
         swap_only_time_s=data.get("swap_only_time_s"),
+        segments=tuple(_read_segment(segment) for segment in data.get("chain", ())),
+        segment_costs=tuple(SegmentCost(**cost) for cost in data.get("segment_costs", ())),
+        input_kinds=tuple(data.get("input_kinds", ())),
+        headroom_bytes=data.get("headroom_bytes", 0),
     )
     # The saved program holds the copies, but what they recompute came from the planner's rewrite,
     # and the in-core peak from the step as traced: neither is saved, so both are restored as saved.
@@ -93,6 +107,10 @@ def _schedule(schedule: Schedule) -> dict:
 def _read_program(saved: dict) -> Program:
     steps = tuple(Step(**(s | {"reads": tuple(s["reads"]), "writes": tuple(s["writes"])})) for s in saved["steps"])
     return Program(steps=steps, buffers=tuple(Buffer(**buffer) for buffer in saved["buffers"]))
+
+
+def _read_segment(saved: dict) -> Segment:
+    return Segment(**{field: tuple(v) if isinstance(v, list) else v for field, v in saved.items()})  # JSON lists
 
 
 def _read_schedule(saved: dict) -> Schedule:

@@ -157,13 +157,21 @@ def _softmax_exps(program) -> list[int]:
 
 
 def _timed_simulation(plan: Plan, model: DeviceProfile) -> list[str]:
+    """The step timed on a model of a device, which says which device it models and its rates, and,
+    for a plan made for another device (this machine's CPU), that the times are not that device's."""
     timed = simulate_time(plan.program, plan.schedule, model)
-    planned_on = f"; this plan is for {plan.device}" if plan.device else ""
+    rates = (
+        f"{model.flops_per_s / 1e12:g} TFLOP/s sustained, "
+        f"host link {model.h2d_bytes_per_s / 1e9:g} GB/s in, {model.d2h_bytes_per_s / 1e9:g} GB/s out"
+    )
+    lines = ["", f"Timed simulation on a model of {model.name}, not a measurement:"]
+    lines.append(f"  device model  {model.name}: {rates}")
+    if plan.device and plan.device != model.name:
+        lines.append(
+            f"  planned for   {plan.device} (the times below are the {model.name} model's, not {plan.device}'s)"
+        )
     return [
-        "",
-        f"Timed simulation on {model.name}, a model of that device, not a measurement{planned_on} "
-        f"({model.flops_per_s / 1e12:g} TFLOP/s sustained, "
-        f"host link {model.h2d_bytes_per_s / 1e9:g} GB/s in, {model.d2h_bytes_per_s / 1e9:g} GB/s out):",
+        *lines,
         f"  step time     {_seconds(timed.step_time_s)} = compute {_seconds(timed.compute_time_s)}"
         f" + exposed transfers {_seconds(timed.exposed_transfer_s)}",
         f"  lower bound   {_seconds(timed.lower_bound_s)} (max of compute and each link's traffic)",
@@ -211,12 +219,16 @@ def _seconds(s: float) -> str:
 # -- SVG -----------------------------------------------------------------------------------------
 
 _WIDTH, _HEIGHT, _PAD = 720, 260, 56
+_COLUMN_PX = 2  # the curves keep each 2 pixels' largest figure: a peak never drops out of the picture
+_MARK_PX = 6  # a mark's width: moves of one kind closer than this share one mark, which names them
+_NAMED_PER_MARK = 2  # the largest values a shared mark's hover title names
 
 
 def svg_timeline(plan: Plan) -> str:
-    """Device memory over the equations: in-core and planned curves, the budget line, one mark per
-    move (down triangles: offloads, up triangles: prefetches) and per recomputed value (purple dots).
-    Plain SVG, no dependencies."""
+    """Device memory over the equations: in-core and planned curves, the budget line, marks for the
+    moves (down triangles: offloads, up triangles: prefetches; moves closer than a mark's width
+    share one) and one per recomputed value (purple dots). Plain SVG, no dependencies, a few tens of
+    kilobytes whatever the step's length: the curves are drawn at the picture's resolution."""
     planned, in_core = plan.timeline.device_bytes, plan.baseline_timeline.device_bytes
     n = max(len(planned), 1)
     top = max([plan.budget_bytes, *planned, *in_core, 1]) * 1.05
@@ -227,11 +239,6 @@ def svg_timeline(plan: Plan) -> str:
 
     def y(nbytes: float) -> float:
         return _PAD + inner_h * (1 - nbytes / top)
-
-    def curve(values, css: str, at: list[int]) -> str:
-        ends = [*at[1:], at[-1] + 1] if at else []
-        points = " ".join(f"{x(a):.1f},{y(v):.1f} {x(b):.1f},{y(v):.1f}" for a, b, v in zip(at, ends, values))
-        return f'<polyline class="{css}" fill="none" points="{points}"/>'
 
     marks = _svg_marks(plan, x)
     budget_y = y(plan.budget_bytes)
@@ -244,8 +251,8 @@ def svg_timeline(plan: Plan) -> str:
             ".budget{stroke:#d62728;stroke-dasharray:6 4}.offload{fill:#ff7f0e}.prefetch{fill:#2ca02c}"
             ".recompute{fill:#9467bd}</style>",
             *axes,
-            curve(in_core, "in-core", in_core_steps(plan)),
-            curve(planned, "planned", list(range(len(planned)))),
+            _svg_curve(in_core, in_core_steps(plan), "in-core", x, y),
+            _svg_curve(planned, list(range(len(planned))), "planned", x, y),
             f'<line class="budget" x1="{_PAD}" y1="{budget_y:.1f}" x2="{_WIDTH - _PAD}" y2="{budget_y:.1f}"/>',
             f'<text x="{_WIDTH - _PAD}" y="{budget_y - 4:.1f}" text-anchor="end" fill="#d62728">'
             f"budget {html.escape(format_bytes(plan.budget_bytes))}</text>",
@@ -256,6 +263,28 @@ def svg_timeline(plan: Plan) -> str:
             "</svg>",
         ]
     )
+
+
+def _svg_curve(values, at: list[int], css: str, x, y) -> str:
+    """A step curve as one path, one level per ``_COLUMN_PX`` pixels: the largest figure of the
+    steps drawn there. Whole pixels, and only the corners: a step's worth of SVG per column at most."""
+    columns: dict[int, int] = {}
+    for step, value in zip(at, values):
+        column = int((x(step) - _PAD) // _COLUMN_PX)
+        columns[column] = max(columns.get(column, 0), value)
+    if not columns:
+        return f'<path class="{css}" fill="none" d=""/>'
+    first, last = min(columns), max(columns)
+    level = [columns.get(c) for c in range(first, last + 1)]
+    for i in range(1, len(level)):  # a column no step starts in continues the one before
+        level[i] = level[i - 1] if level[i] is None else level[i]
+    corners, height = [f"M{_PAD + first * _COLUMN_PX},{round(y(level[0]))}"], round(y(level[0]))
+    for i, value in enumerate(level[1:], first + 1):
+        if round(y(value)) != height:
+            height = round(y(value))
+            corners.append(f"H{_PAD + i * _COLUMN_PX}V{height}")
+    corners.append(f"H{_PAD + (last + 1) * _COLUMN_PX}")
+    return f'<path class="{css}" fill="none" d="{"".join(corners)}"/>'
 
 
 def in_core_steps(plan: Plan) -> list[int]:
@@ -269,29 +298,48 @@ def in_core_steps(plan: Plan) -> list[int]:
 
 
 def _svg_marks(plan: Plan, x) -> list[str]:
-    """One mark per move below the axis (down triangles: offloads, up triangles: prefetches), and
-    one purple dot just above it per recomputed value, where its copy runs; each names its value."""
-    marks = []
+    """Marks below the axis for the moves (down triangles: offloads, up triangles: prefetches), one
+    per ``_MARK_PX`` pixels and kind, whose hover title counts the moves it stands for and names
+    the largest; and one purple dot just above it per recomputed value, where its copy runs."""
+    buffers = plan.program.buffers
+    shared: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (kind, column) -> (equation, buffer)
     for move in plan.schedule.moves:
-        if isinstance(move, Offload):
-            cx, tip, base = x(move.after_step + 1), _HEIGHT - _PAD + 14, _HEIGHT - _PAD + 6
-            kind, what = "offload", f"offload after equation {move.after_step}"
-        else:
-            cx, tip, base = x(move.issue_step), _HEIGHT - _PAD + 6, _HEIGHT - _PAD + 14
-            kind, what = "prefetch", f"prefetch at equation {move.issue_step}"
-        label = html.escape(f"{what}: {plan.program.buffers[move.buffer].label}")
+        kind, at = ("offload", move.after_step) if isinstance(move, Offload) else ("prefetch", move.issue_step)
+        where = x(at + 1) if kind == "offload" else x(at)
+        shared.setdefault((kind, int(where // _MARK_PX)), []).append((at, move.buffer))
+    marks = []
+    low, high = _HEIGHT - _PAD + 6, _HEIGHT - _PAD + 14
+    for (kind, _), moves in shared.items():
+        steps = sorted({at for at, _ in moves})
+        cx = x(steps[0] + 1) if kind == "offload" else x(steps[0])
+        tip, base = (high, low) if kind == "offload" else (low, high)
+        title = html.escape(_mark_title(kind, steps, [b for _, b in moves], buffers), quote=False)
         marks.append(
             f'<polygon class="move {kind}" points="{cx - 3:.1f},{base} {cx + 3:.1f},{base} {cx:.1f},{tip}">'
-            f"<title>{label}</title></polygon>"
+            f"<title>{title}</title></polygon>"
         )
     for r in plan.recomputed:
         what = f"recomputed at equation {r.recomputed_at} (dropped after equation {r.dropped_after})"
-        label = html.escape(f"{what}: {r.label} ({format_bytes(r.nbytes)})")
+        label = html.escape(f"{what}: {r.label} ({format_bytes(r.nbytes)})", quote=False)
         marks.append(
-            f'<circle class="recompute" cx="{x(r.recomputed_at):.1f}" cy="{_HEIGHT - _PAD - 4}" r="3">'
+            f'<circle class="recompute" cx="{x(r.recomputed_at):.0f}" cy="{_HEIGHT - _PAD - 4}" r="3">'
             f"<title>{label}</title></circle>"
         )
     return marks
+
+
+def _mark_title(kind: str, steps: list[int], moved: list[int], buffers) -> str:
+    """``offload after equation 12: a1 (4 MiB)``, or for a shared mark ``3 offloads after equations
+    12..14 (6 MiB): a1 (4 MiB), a2 (1 MiB) and 1 more``."""
+    where = f"{'after' if kind == 'offload' else 'at'} equation{'s' if len(steps) > 1 else ''} "
+    where += f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])
+    largest = sorted(moved, key=lambda b: -buffers[b].nbytes)
+    named = ", ".join(f"{buffers[b].label} ({format_bytes(buffers[b].nbytes)})" for b in largest[:_NAMED_PER_MARK])
+    if len(moved) == 1:
+        return f"{kind} {where}: {named}"
+    more = f" and {len(moved) - _NAMED_PER_MARK} more" if len(moved) > _NAMED_PER_MARK else ""
+    total = format_bytes(sum(buffers[b].nbytes for b in moved))
+    return f"{counted(len(moved), kind)} {where} ({total}): {named}{more}"
 
 
 def _svg_axes(x, y, n: int, top: float) -> list[str]:

@@ -5,6 +5,7 @@ import pytest
 from oocjax.plan import Plan
 from oocjax.schedule import plan_window
 from tests.programs import MiB, mlp_chain
+from tests.test_views import wide_plan
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
@@ -48,3 +49,11 @@ def test_with_a_profile_the_stream_view_joins_the_given_axes_figure(plan):
     assert stream_ax.figure is figure and stream_ax is not ax
     assert plt.get_fignums() == [figure.number]
     assert len(stream_ax.collections) == 3  # compute, host-to-device, device-to-host
+
+
+def test_a_gradient_steps_phases_are_shaded_and_named_in_the_given_axes_and_no_table_is_added():
+    figure, ax = plt.subplots(figsize=(8, 3))
+    wide_plan().plot(ax=ax)  # a plain jax gradient step: phases, no modules to name as layers
+    assert figure.axes == [ax], "the tables of moves need a figure of the plot's own"
+    assert [t.get_text().strip() for t in ax.texts if t.get_visible()] == ["forward", "backward", "optimizer"]
+    assert len(ax.patches) == 3  # one shaded span per phase

@@ -1,5 +1,6 @@
 """Plans explain themselves: repr, summary, HTML with an SVG timeline, plots, JSON, the notebook."""
 
+import dataclasses
 import functools
 import json
 import re
@@ -16,6 +17,7 @@ from oocjax.plan import Plan
 from oocjax.render import svg_timeline
 from oocjax.schedule import plan_window
 from tests.programs import MiB, mlp_chain
+from tests.zoo import transformer_dropout_adamw
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -55,8 +57,8 @@ def test_the_summary_of_the_hand_worked_chain_reads_as_expected():
             "  1 MiB       host         0, 4              -  w2",
             "  1 MiB       host            0              -  w3",
             "",
-            "Timed simulation on h100-pcie, a model of that device, not a measurement (378 TFLOP/s sustained, "
-            "host link 35 GB/s in, 50 GB/s out):",
+            "Timed simulation on a model of h100-pcie, not a measurement:",
+            "  device model  h100-pcie: 378 TFLOP/s sustained, host link 35 GB/s in, 50 GB/s out",
             "  step time     478 us = compute 30 us + exposed transfers 448 us",
             "  lower bound   330 us (max of compute and each link's traffic)",
         ]
@@ -65,16 +67,58 @@ def test_the_summary_of_the_hand_worked_chain_reads_as_expected():
 
 def test_the_summary_simulates_a_device_only_when_asked_and_then_says_it_is_a_model():
     assert "Timed simulation" not in chain_plan().summary()
-    assert "a model of that device, not a measurement" in chain_plan().summary(profile="h100-pcie")
+    assert "Timed simulation on a model of h100-pcie, not a measurement:" in chain_plan().summary(profile="h100-pcie")
 
 
-def test_the_html_view_has_an_svg_with_the_budget_line_and_one_mark_per_move():
+def test_a_plan_for_the_cpu_timed_on_a_gpus_model_says_the_figures_are_the_gpus_not_the_cpus():
+    timed = dataclasses.replace(chain_plan(), device="cpu").summary(profile="h100").split("Timed simulation")[1]
+    lines = timed.splitlines()
+    assert lines[0] == " on a model of h100-pcie, not a measurement:"
+    assert lines[1] == "  device model  h100-pcie: 378 TFLOP/s sustained, host link 35 GB/s in, 50 GB/s out"
+    assert lines[2] == "  planned for   cpu (the times below are the h100-pcie model's, not cpu's)"
+    assert not re.search(r"cpu\W+\d+ TFLOP/s", timed), "the rates never follow the CPU's name"
+    # A plan made for the modelled device itself needs no such line.
+    same = dataclasses.replace(chain_plan(), device="h100-pcie").summary(profile="h100-pcie")
+    assert "planned for" not in same
+
+
+def test_the_html_view_has_an_svg_with_the_budget_line_and_marks_that_account_for_every_move():
     plan = chain_plan()
     page = plan._repr_html_()
     assert page.count("<svg") == 1 and "planned peak" in page
     assert len(re.findall(r'<line class="budget"', page)) == 1
-    assert len(re.findall(r'<polygon class="move (offload|prefetch)"', page)) == len(plan.schedule.moves) == 10
-    assert page.count('class="move offload"') == 2
+    # Moves of one kind at one place share a mark, whose title counts them: x and w1 are both
+    # fetched at equation 0, a mark's width apart at most.
+    titles = re.findall(r'<polygon class="move (offload|prefetch)"[^>]*><title>([^<]*)</title>', page)
+    counted = {"offload": 0, "prefetch": 0}
+    for kind, title in titles:
+        many = re.match(r"(\d+) (offload|prefetche)s ", title)
+        counted[kind] += int(many[1]) if many else 1
+    assert counted == {"offload": 2, "prefetch": 8} and len(plan.schedule.moves) == 10
+    assert len(titles) < 10
+    assert "offload after equation 1: a1 (4 MiB)" in page
+    assert re.search(r"\d prefetches at equation 0 \(\d MiB\): ", page)
+
+
+@pytest.mark.slow
+def test_the_html_view_of_the_zoo_transformers_plan_stays_under_40_kb():
+    for recompute in ("off", "always"):
+        plan = transformer_plan(recompute)
+        assert plan.schedule.moves if recompute == "off" else plan.recomputed
+        page = plan._repr_html_()
+        assert len(page.encode()) < 40 * 1024, (recompute, len(page.encode()))
+        # Drawn at the picture's resolution, the curves still reach the peaks.
+        planned = re.search(r'<path class="planned" fill="none" d="([^"]*)"', page)[1]
+        heights = [int(v) for v in re.findall(r"V(\d+)", planned)]
+        assert min(heights) == round(_y(plan, plan.peak_bytes))
+
+
+def _y(plan: Plan, nbytes: int) -> float:
+    """Where the SVG draws ``nbytes`` (render.svg_timeline's scale)."""
+    from oocjax.render import _HEIGHT, _PAD
+
+    top = max([plan.budget_bytes, *plan.timeline.device_bytes, *plan.baseline_timeline.device_bytes, 1]) * 1.05
+    return _PAD + (_HEIGHT - 2 * _PAD) * (1 - nbytes / top)
 
 
 def test_a_saved_plan_is_small_and_says_what_moves():
@@ -98,6 +142,21 @@ def test_a_plan_saved_in_full_survives_a_json_round_trip():
     assert loaded.jaxpr is None
     with pytest.raises(ValueError, match="not an oocjax plan"):
         Plan.from_json(json.dumps({"format": "something else"}))
+
+
+def test_a_plan_saved_in_full_keeps_its_segments_and_what_they_measured():
+    plan = wide_plan()
+    assert len(plan.segments) > 1 and plan.executed_peak_bytes is not None
+    loaded = Plan.from_json(plan.to_json(full=True))
+    assert (loaded.segments, loaded.segment_costs) == (plan.segments, plan.segment_costs)
+    assert (loaded.input_kinds, loaded.headroom_bytes) == (plan.input_kinds, plan.headroom_bytes)
+    assert f"{len(plan.segments)} segments" in repr(loaded) and repr(loaded) == repr(plan)
+    executed = next(line for line in plan.summary().splitlines() if "executed peak" in line)
+    assert executed in loaded.summary().splitlines()
+    # A plan saved before segments were (format /3) still loads, without them.
+    saved = json.loads(plan.to_json(full=True)) | {"format": "oocjax.plan/3"}
+    del saved["chain"], saved["segment_costs"]
+    assert Plan.from_json(json.dumps(saved)).segments == ()
 
 
 def test_plot_draws_both_curves_the_budget_and_the_streams(tmp_path):
@@ -141,6 +200,15 @@ def test_the_notebook_is_in_sync_with_its_jupytext_script():
     script = jupytext.read(EXAMPLES / "inspect_plan.py")
     notebook = nbformat.read(EXAMPLES / "inspect_plan.ipynb", as_version=4)
     assert [c.source for c in script.cells] == [c.source for c in notebook.cells]
+
+
+def test_the_notebook_says_the_budgets_its_code_plans_at():
+    jupytext = pytest.importorskip("jupytext", reason="the notebook extra: pip install -e '.[notebook]'")
+
+    cells = jupytext.read(EXAMPLES / "inspect_plan.py").cells
+    said = {int(p) for c in cells if c.cell_type == "markdown" for p in re.findall(r"(\d+)% ", c.source)}
+    fractions = [f for c in cells if c.cell_type == "code" for f in re.findall(r"\b0\.\d+\b", c.source)]
+    assert said == {round(float(f) * 100) for f in fractions} == {60, 40, 35}
 
 
 def notebook_outputs(notebook) -> tuple[str, int]:
@@ -216,6 +284,17 @@ def wide_plan(fraction: float = 0.4) -> Plan:
     return step.plan(WIDE_PARAMS, WIDE_X)
 
 
+@functools.cache
+def transformer_plan(recompute: str = "off") -> Plan:
+    """The zoo's Flax transformer (4 blocks, AdamW, donated state) at 35% of its in-core estimate:
+    "off" moves values, "always" recomputes them."""
+    case = transformer_dropout_adamw()
+    in_core = ooc_jit(case.step, budget=2**62, donate_argnums=(0,)).plan(case.state, case.batches[0])
+    budget = int(in_core.baseline_peak_bytes * 0.35)
+    step = ooc_jit(case.step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096, recompute=recompute)
+    return step.plan(case.state, case.batches[0])
+
+
 def test_the_pretty_view_of_a_step_with_40_parameter_arrays_shows_a_transfer_within_six_lines():
     lines = wide_plan().pretty_jaxpr().splitlines()
     assert any(marker in line for line in lines[:6] for marker in (">>>   prefetch", "<<<   offload", "wait  "))
@@ -256,7 +335,7 @@ def test_the_svg_timeline_numbers_both_axes():
     assert "0 B" in ticks and "0" in ticks and str(len(wide_plan().program.steps)) in ticks
 
 
-def test_a_plot_without_a_profile_keeps_its_x_label_inside_a_plain_savefig_and_names_the_largest_moves(tmp_path):
+def test_a_plot_without_a_profile_keeps_its_x_label_inside_a_plain_savefig_and_tables_the_largest_moves(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -265,8 +344,32 @@ def test_a_plot_without_a_profile_keeps_its_x_label_inside_a_plain_savefig_and_n
     ax.figure.savefig(tmp_path / "plan.png")  # no bbox_inches="tight"
     label = ax.xaxis.label.get_window_extent(ax.figure.canvas.get_renderer())
     assert label.y0 >= 0  # drawn inside the figure, not cut off below it
+    assert not ax.texts or all(not t.get_text().startswith("output of") for t in ax.texts), "no labels by the marks"
     largest = max(plan.offloads, key=lambda o: o.nbytes)
-    assert any(text.get_text().startswith(largest.label) for text in ax.texts)
+    tables = [t.get_text() for other in ax.figure.axes if other is not ax for t in other.texts]
+    assert any(line.endswith(largest.label) for table in tables for line in table.splitlines())
+
+
+def test_an_infeasible_budget_gives_each_figure_on_a_line_of_its_own_and_the_smallest_budget():
+    from oocjax.schedule import format_bytes
+
+    program = mlp_chain()  # held on the device, the 1 MiB inputs and gradients add to what b2 needs
+    with pytest.raises(BudgetInfeasibleError) as caught:
+        plan_window(program, 16 * MiB, min_offload_bytes=2 * MiB)
+    error, lines = caught.value, str(caught.value).splitlines()
+    assert lines[0] == f"a budget of 16 MiB is too small: step {error.step} (b2) alone needs 18 MiB on the device."
+    assert lines[1:4] == [
+        "That is:",
+        "  - 14 MiB for its own operands, results and scratch;",
+        "  - 4 MiB for other values alive across it that no plan moves (constants, arguments kept on the device, "
+        "values under min_offload_bytes, now 2 MiB).",
+    ]
+    assert lines[4] == f"The smallest feasible budget is {format_bytes(error.required_bytes)}, set by that operation."
+    assert error.required_bytes == 18 * MiB
+    # Where the operation's own figure is all it needs, the message says so in one line.
+    with pytest.raises(BudgetInfeasibleError) as alone:
+        plan_window(program, 13 * MiB)
+    assert str(alone.value).splitlines()[1] == "All of it is the operation's own operands, results and scratch."
 
 
 def test_a_loop_that_sets_the_floor_is_named_by_the_users_line_and_the_error_says_it_is_a_scan():

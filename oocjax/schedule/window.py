@@ -129,10 +129,19 @@ def check_feasible(program: Program, budget_bytes: int, min_offload_bytes: int =
             f"{format_bytes(need[worst] - own)} of that is values too small to move, held on the device"
         )
     numbered = "\n".join(f"  {i}. {fix}" for i, fix in enumerate(fixes, 1))
+    # Two figures make up what the step needs; each gets its own line, saying what it counts.
+    pinned = need[worst] - own
+    parts = (
+        f"That is:\n  - {format_bytes(own)} for its own operands, results and scratch;\n"
+        f"  - {format_bytes(pinned)} for other values alive across it that no plan moves (constants, "
+        f"arguments kept on the device, values under min_offload_bytes, now {format_bytes(min_offload_bytes)})."
+        if pinned
+        else "All of it is the operation's own operands, results and scratch."
+    )
     raise BudgetInfeasibleError(
         f"a budget of {format_bytes(budget_bytes)} is too small: step {worst} ({step.describe()}) alone "
-        f"needs {smallest} on the device (its operands, results and scratch: {format_bytes(own)}).\n"
-        f"The smallest feasible budget is {smallest}.\nFixes:\n{numbered}",
+        f"needs {smallest} on the device.\n{parts}\n"
+        f"The smallest feasible budget is {smallest}, set by that operation.\nFixes:\n{numbered}",
         budget_bytes=budget_bytes,
         required_bytes=need[worst],
         step=worst,
