@@ -1,9 +1,16 @@
-"""What running a step as a chain of segments costs when nothing needs to move, on the CPU.
+"""What the executor itself costs per segment, on the CPU, against the same programs run back to back.
 
-A CPU-sized MLP training step (SGD) runs under ``jax.jit`` and under ``ooc_jit`` with a budget above
-its in-core estimate but forced into N segments (``min_segments=N``): the difference per step,
-divided by N, is the executor's cost per segment launch (the Python loop, the memory account, the
-dispatch of one more program). Per-step times are medians over ``--steps`` steps, each blocked on.
+Two measurements, per-step medians over ``--steps`` steps, each blocked on:
+
+* **Per segment.** A CPU-sized MLP training step (SGD) under ``ooc_jit`` with a budget above its
+  in-core estimate, forced into N segments (``min_segments=N``): nothing moves. Its step time less
+  the time of the same segment programs called back to back (a plain loop over the chain's records:
+  no transfers, no waits, no memory account; programs compiled without donation so that inputs
+  stay valid), divided by N, is the executor's own time per segment (launch, accounting). Lost
+  fusion is in both and cancels. Target: at most 50 us.
+* **A step with moves.** The test zoo's transformer at 30% of its in-core estimate, with everything
+  the plan moves and recomputes, against its segments back to back (as above, host-kept values
+  already on the device). Target: at most 1.2x.
 
     python benchmarks/executor_overhead.py [--out benchmarks/results/executor_overhead-cpu-<date>.json]
 """
@@ -21,10 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from oocjax import ooc_jit
+from oocjax.transforms.memories import sharding
 
 if __package__ in (None, ""):  # run as ``python benchmarks/executor_overhead.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
+from tests.zoo import transformer_dropout_adamw
 
 
 def mlp_step(params, x):
@@ -38,16 +47,115 @@ def mlp_step(params, x):
     return [w - 0.01 * g for w, g in zip(params, grads)], loss
 
 
-def seconds_per_step(step, params, x, steps: int) -> float:
-    params, loss = step(params, x)  # compile and warm up
-    jax.block_until_ready((params, loss))
+def median_seconds(run, steps: int) -> float:
+    jax.block_until_ready(run())  # compile and warm up
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        params, loss = step(params, x)
-        jax.block_until_ready((params, loss))
+        jax.block_until_ready(run())
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+def back_to_back(step, args):
+    """A function running ``step``'s segment programs for ``args`` in a plain loop: the chain's
+    order and slots, no transfers (host slots hold device arrays), no waits, no account."""
+    (planner,) = step._planners.values()
+    executor = planner.built.executor
+    chain, device = executor.chain, sharding("device")
+    programs = {}
+    for run, function in zip(chain.runs, executor.functions, strict=True):
+        key = id(run.program)
+        if key not in programs:  # the same program without donation: its inputs stay valid
+            plain = jax.jit(function.__wrapped__, in_shardings=device, out_shardings=device)
+            programs[key] = plain.trace(*[x for x in _specs(run, chain)]).lower().compile()
+    leaves = [jax.device_put(x, device) for x in jax.tree.leaves(args)]
+    calls = [(programs[id(run.program)], run) for run in chain.runs]
+    host = chain.host_offset
+
+    def run_all():
+        slots = [None] * chain.num_slots
+        for slot, x in chain.constants:
+            slots[slot] = x
+        for slot, x in zip(chain.argument_slots, leaves):
+            slots[slot] = x
+        for program, run in calls:
+            for b in run.prefetches:
+                slots[b] = slots[b + host]
+            outputs = program(*[slots[b] for b in run.inputs], *run.literals)
+            for b, x in zip(run.outputs, outputs):
+                slots[b] = x
+            for b in run.offloads:
+                slots[b + host] = slots[b]
+        return [slots[r] for r in chain.results if isinstance(r, int)]
+
+    return run_all
+
+
+def _specs(run, chain):
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding("device")) for a in _input_avals(run, chain)]
+
+
+def _input_avals(run, chain):
+    return [*run.program.in_avals[0][: len(run.inputs) + len(run.literals)]]
+
+
+def per_segment(args) -> tuple[float, list[dict]]:
+    keys = jax.random.split(jax.random.key(0), args.layers + 1)
+    params = [jax.random.normal(k, (args.width, args.width)) / args.width**0.5 for k in keys[1:]]
+    x = jax.random.normal(keys[0], (args.batch, args.width))
+    in_core = ooc_jit(mlp_step, budget=2**62).plan(params, x).baseline_peak_bytes
+    jitted = jax.jit(mlp_step)
+    jit_s = median_seconds(lambda: jitted(params, x), args.steps)
+    print(f"jax.jit: {jit_s * 1e3:.2f} ms/step ({args.layers} layers, {args.width} wide, batch {args.batch})")
+    rows = []
+    for n in map(int, args.segments.split(",")):
+        step = ooc_jit(mlp_step, budget=2 * in_core, min_segments=n)
+        segments = len(step.plan(params, x).segments)
+        ooc_s = median_seconds(lambda step=step: step(params, x), args.steps)
+        plain_s = median_seconds(back_to_back(step, (params, x)), args.steps)
+        us = (ooc_s - plain_s) / segments * 1e6
+        rows.append(dict(segments=segments, s_per_step=ooc_s, back_to_back_s=plain_s, vs_jit=ooc_s / jit_s))
+        rows[-1]["executor_us_per_segment"] = us
+        print(
+            f"{segments:3d} segments: {ooc_s * 1e3:.2f} ms/step ({ooc_s / jit_s:.2f}x jax.jit), back to back "
+            f"{plain_s * 1e3:.2f} ms: the executor {us:.0f} us/segment"
+        )
+    return jit_s, rows
+
+
+def with_moves(args) -> dict:
+    case = transformer_dropout_adamw(args.transformer_layers)
+    batch = case.batches[0]
+    in_core = ooc_jit(case.step, budget=2**62).plan(case.state, batch).baseline_peak_bytes
+    step = ooc_jit(case.step, budget=int(in_core * 0.3), donate_argnums=0, min_offload_bytes=4096)
+    state = [jax.tree.map(lambda x: x.copy(), case.state)]
+    plan = step.plan(state[0], batch)
+
+    def one_step():
+        state[0], metrics = step(state[0], batch)
+        return metrics["loss"]
+
+    ooc_s = median_seconds(one_step, args.steps)
+    plain_s = median_seconds(back_to_back(step, (case.state, batch)), args.steps)
+    jitted = jax.jit(case.step)
+    jit_s = median_seconds(lambda: jitted(case.state, batch), args.steps)
+    row = dict(
+        model=f"transformer_dropout_adamw, {args.transformer_layers} layers",
+        fraction=0.3,
+        segments=len(plan.segments),
+        moved_bytes=sum(plan.program.buffers[m.buffer].nbytes for m in plan.schedule.moves),
+        recomputed=len(plan.recomputed),
+        s_per_step=ooc_s,
+        back_to_back_s=plain_s,
+        jit_s=jit_s,
+        vs_back_to_back=ooc_s / plain_s,
+    )
+    print(
+        f"{row['model']} at 30%: {ooc_s * 1e3:.2f} ms/step, its {row['segments']} segments back to back "
+        f"{plain_s * 1e3:.2f} ms ({row['vs_back_to_back']:.2f}x), jax.jit {jit_s * 1e3:.2f} ms"
+    )
+    return row
 
 
 def main() -> None:
@@ -55,26 +163,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--segments", default="2,4,8,16,32,64")
+    parser.add_argument("--segments", default="8,16,32,64")
+    parser.add_argument("--transformer-layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out")
     args = parser.parse_args()
-
-    keys = jax.random.split(jax.random.key(0), args.layers + 1)
-    params = [jax.random.normal(k, (args.width, args.width)) / args.width**0.5 for k in keys[1:]]
-    x = jax.random.normal(keys[0], (args.batch, args.width))
-    in_core = ooc_jit(mlp_step, budget=2**62).plan(params, x).baseline_peak_bytes
-    jit_s = seconds_per_step(jax.jit(mlp_step), params, x, args.steps)
-    print(f"jax.jit: {jit_s * 1e3:.2f} ms/step ({args.layers} layers, {args.width} wide, batch {args.batch})")
-    rows = []
-    for n in map(int, args.segments.split(",")):
-        step = ooc_jit(mlp_step, budget=2 * in_core, min_segments=n)
-        segments = len(step.plan(params, x).segments)
-        ooc_s = seconds_per_step(step, params, x, args.steps)
-        per_segment_us = (ooc_s - jit_s) / segments * 1e6
-        rows.append(dict(segments=segments, s_per_step=ooc_s, vs_jit=ooc_s / jit_s, us_per_segment=per_segment_us))
-        speed = f"{ooc_s * 1e3:.2f} ms/step, {ooc_s / jit_s:.2f}x jax.jit"
-        print(f"{segments:3d} segments: {speed}, {per_segment_us:.0f} us/segment")
+    jit_s, rows = per_segment(args)
+    moves = with_moves(args)
     if args.out:
         record = dict(
             benchmark="executor_overhead",
@@ -82,6 +177,7 @@ def main() -> None:
             jit_s_per_step=jit_s,
             steps=args.steps,
             rows=rows,
+            with_moves=moves,
             jax=jax.__version__,
             **machine(),
         )

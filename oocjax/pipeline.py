@@ -10,6 +10,7 @@ the budget, the program learns each segment's measured excess as scratch and is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -288,7 +289,9 @@ class StepPlanner:
         labels = _labels(program)
         functions = functions or tuple(segment_functions(flat, segments, labels))
         measured = dict(segments=segments, segment_costs=costs, executed_peak_bytes=peak)
-        shown = chain_jaxpr(chain_function(flat, schedule, segments, functions, labels), flat, described["input_kinds"])
+        shown = functools.partial(
+            chain_jaxpr, chain_function(flat, schedule, segments, functions, labels), flat, described["input_kinds"]
+        )
         plan = Plan.build(program=program, jaxpr=shown, attempts=attempts, **measured, **described)
         chain = build_chain(flat, schedule, segments, programs, costs, labels)
         return BuiltStep(plan, ChainExecutor(chain, budget.planned_bytes, functions), functions, tuple(programs))

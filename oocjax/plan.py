@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from oocjax.schedule import MemoryTimeline, Program, Schedule, format_bytes, keep_all, simulate
@@ -69,7 +71,8 @@ class Plan:
       host_outputs: labels of results returned in host memory.
       jaxpr: the step as it runs: segment calls (``jit`` equations named ``segment_<i>``, each
         holding its part of the step) with the transfers and waits between them, in execution
-        order; the traced step itself when nothing moves.
+        order; the traced step itself when nothing moves. Traced when first read (it is for
+        people: the executor runs records, ``transforms.segment.Chain``).
       source_jaxpr: the step as traced.
       program, schedule, timeline, baseline_timeline: the planner's view, for tools and plots.
       segments: the compiled programs the step runs as, in order (empty when nothing moves: then
@@ -105,7 +108,7 @@ class Plan:
     offloads: tuple[OffloadInfo, ...]
     host_inputs: tuple[HostInputInfo, ...]
     host_outputs: tuple[str, ...]
-    jaxpr: Any
+    jaxpr_maker: Callable[[], Any] | None = field(repr=False)  # makes ``jaxpr``
     source_jaxpr: Any
     program: Program
     schedule: Schedule
@@ -123,6 +126,10 @@ class Plan:
     extra_flops: int = 0
     step_time_s: float | None = None
     swap_only_time_s: float | None = None
+
+    @functools.cached_property
+    def jaxpr(self) -> Any:
+        return None if self.jaxpr_maker is None else self.jaxpr_maker()
 
     @classmethod
     def build(
@@ -142,7 +149,8 @@ class Plan:
         ``executed_peak_bytes``, ``attempts``, ``input_kinds``, ``headroom_bytes``, ``loops``, ``device``).
         ``in_core_program`` is the step as traced, where ``program`` has learnt measured scratch:
         the in-core estimate stays that of the step, whatever the plans made on the way.
-        ``rewrite`` (``schedule.Rewrite``) says which values ``program`` recomputes."""
+        ``rewrite`` (``schedule.Rewrite``) says which values ``program`` recomputes. ``jaxpr`` is
+        the jaxpr, or a function of nothing that traces it when first read."""
         timeline = simulate(program, schedule)
         fetches = {b: [p.issue_step for p in ps] for b, ps in schedule.prefetches_by_buffer.items()}
         buffers = program.buffers
@@ -169,7 +177,7 @@ class Plan:
             offloads=offloads,
             host_inputs=host_inputs,
             host_outputs=tuple(buffers[b].label for b in sorted(schedule.host_outputs)),
-            jaxpr=jaxpr,
+            jaxpr_maker=jaxpr if callable(jaxpr) or jaxpr is None else lambda: jaxpr,
             source_jaxpr=source_jaxpr,
             program=program,
             schedule=schedule,
