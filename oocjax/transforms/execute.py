@@ -123,18 +123,22 @@ class _DeviceMemory:
 
     def start_call(self) -> None:
         self.held = 0
-        self.references: dict[int, int] = {}  # id(array) -> variables naming it
+        self.references: dict[int, list[int]] = {}  # id(array) -> [slots naming it, its device bytes]
         self.owned: set[int] = set()  # ids of arrays the executor made (not arguments or constants)
 
-    def hold(self, x: Any, *, owned: bool) -> None:
-        if memory_kind(x) != "device":
+    def hold(self, x: Any, nbytes: int, *, owned: bool) -> None:
+        """References ``x``, of ``nbytes`` on the device (0: it is in host memory, not counted)."""
+        if not nbytes:
             return
         key = id(x)
-        if key not in self.references:
-            self.held += x.nbytes
+        entry = self.references.get(key)
+        if entry is None:
+            self.references[key] = [1, nbytes]
+            self.held += nbytes
             if owned:
                 self.owned.add(key)
-        self.references[key] = self.references.get(key, 0) + 1
+        else:
+            entry[0] += 1
 
     def release(self, arrays: Sequence[Any], probe: Any, extra_bytes: int = 0) -> None:
         """Lets go of ``arrays`` (and ``extra_bytes`` of scratch), in use until ``probe`` is ready."""
@@ -142,13 +146,14 @@ class _DeviceMemory:
         deleted = []
         for x in arrays:
             key = id(x)
-            if key not in self.references:
+            entry = self.references.get(key)
+            if entry is None:
                 continue
-            self.references[key] -= 1
-            if not self.references[key]:
+            entry[0] -= 1
+            if not entry[0]:
                 del self.references[key]
-                self.held -= x.nbytes
-                freed += x.nbytes
+                self.held -= entry[1]
+                freed += entry[1]
                 if key in self.owned:
                     # Delete now rather than when Python lets go of the object: a stray reference
                     # (a cycle the collector has not reached) must not hold device memory.
@@ -230,8 +235,12 @@ class _DeviceMemory:
 
 
 def _probe(values: Sequence[Any]) -> Any:
-    """A value that is ready once the work that made ``values`` is done (None if none can tell)."""
-    return next((x for x in values if hasattr(x, "is_ready")), None)
+    """A value that is ready once the work that made ``values`` (a program's results) is done."""
+    return values[0] if values else None
+
+
+def _device_bytes(x: Any) -> int:
+    return x.nbytes if memory_kind(x) == "device" else 0
 
 
 def _finished(probe: Any) -> bool:
@@ -288,10 +297,10 @@ class ChainExecutor:
         try:
             for slot, x in chain.constants:
                 slots[slot] = x
-                memory.hold(x, owned=False)
+                memory.hold(x, _device_bytes(x), owned=False)
             for slot, x, mine in zip(chain.argument_slots, arguments, owned, strict=True):
                 slots[slot] = x
-                memory.hold(x, owned=mine)
+                memory.hold(x, _device_bytes(x), owned=mine)
             arguments.clear()
             memory.count_foreign()
             for run in chain.runs:
@@ -306,7 +315,7 @@ class ChainExecutor:
     def _run(self, run: SegmentRun, slots: list[Any]) -> None:
         """One segment: its waits, prefetches, launch and offloads, each slot dropped at its last use.
         Transfers are named as in the chain (``oocjax.offload(<value>)``): a profiler trace says what moves."""
-        memory, host_offset = self.memory, self.chain.host_offset
+        memory, host_offset, slot_bytes = self.memory, self.chain.host_offset, self.chain.slot_bytes
         if run.waits:
             with jax.profiler.TraceAnnotation(run.names[0]):
                 for slot in run.waits:
@@ -317,7 +326,7 @@ class ChainExecutor:
                 copies = jax.device_put([slots[b + host_offset] for b in run.prefetches], self.device)
             for b, x in zip(run.prefetches, copies):
                 slots[b] = x
-                memory.hold(x, owned=True)
+                memory.hold(x, slot_bytes[b], owned=True)
             del copies
         for slot in run.dropped_after_prefetches:
             slots[slot] = None
@@ -327,7 +336,7 @@ class ChainExecutor:
         del inputs
         for b, x in zip(run.outputs, outputs):
             slots[b] = x
-            memory.hold(x, owned=True)
+            memory.hold(x, slot_bytes[b], owned=True)
         dying = [slots[b] for b in run.dropped_after_launch]
         for b in run.dropped_after_launch:
             slots[b] = None

@@ -197,10 +197,11 @@ def compile_segments(
 ) -> tuple[list[Any], list[SegmentCost]]:
     """One compiled program per segment; segments with the same jaxpr and donation share one, also
     with the programs in ``cache`` (from an earlier plan of the same step), which gains the new
-    ones. Distinct programs compile in parallel threads (XLA releases the GIL while it compiles)."""
+    ones. Distinct programs compile in parallel threads, each as soon as it is lowered (XLA
+    releases the GIL while it compiles)."""
     cache = {} if cache is None else cache
-    keys, lowered = [], {}
-    with warnings.catch_warnings():
+    keys, compiling = [], {}
+    with warnings.catch_warnings(), ThreadPoolExecutor() as pool:
         # A donated argument no output can reuse is still freed after the segment: not worth a warning.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         for segment, function in zip(segments, functions, strict=True):
@@ -209,11 +210,11 @@ def compile_segments(
             # The printed jaxpr holds every shape, primitive, parameter and literal; constants are
             # not printed, so their identities are part of the key.
             key = (str(body.jaxpr), tuple(map(id, body.consts)), _donated(segment))
-            if key not in cache and key not in lowered:
-                lowered[key] = traced.lower()
+            if key not in cache and key not in compiling:
+                # Compiled while the next segments are traced and lowered (Python, holding the GIL).
+                compiling[key] = pool.submit(traced.lower().compile)
             keys.append(key)
-        with ThreadPoolExecutor() as pool:
-            cache.update(zip(lowered, pool.map(lambda low: low.compile(), lowered.values())))
+        cache.update((key, future.result()) for key, future in compiling.items())
     programs = [cache[key] for key in keys]
     return programs, [_cost(program) for program in programs]
 
@@ -275,6 +276,7 @@ class Chain:
     argument_slots: tuple[int, ...]
     constants: tuple[tuple[int, Any], ...]  # (slot, value)
     results: tuple[Any, ...]  # per result of the step: its slot, or a ``Literal``
+    slot_bytes: tuple[int, ...]  # per slot, the device bytes of its value (0 for host slots)
 
     @property
     def num_slots(self) -> int:
@@ -346,6 +348,7 @@ def build_chain(
         argument_slots=tuple(b + host if b in schedule.host_inputs else b for b in range(flat.num_inputs)),
         constants=tuple(flat.constants),
         results=results,
+        slot_bytes=(*nbytes, *(0 for _ in nbytes)),
     )
 
 
