@@ -6,15 +6,30 @@ import datetime
 import os
 import platform
 import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def source_commit(root: Path = ROOT) -> str:
+    """The short commit of the git checkout whose top is ``root``; ``"unknown"`` where ``root`` is not the top
+    of one (an unpacked sdist or ``git archive``, also when it lies inside another repository) or git is missing."""
+
+    def git(*args: str) -> str | None:
+        try:
+            result = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=False)
+        except OSError:
+            return None
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root.resolve():
+        return "unknown"
+    return git("rev-parse", "--short", "HEAD") or "unknown"
 
 
 def machine() -> dict:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = ""
+    commit = source_commit()
     cpu = ""
     try:
         with open("/proc/cpuinfo") as info:

@@ -1,6 +1,7 @@
 """The benchmark harnesses work, and the README states only what the results files say."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
+
+
+def git_head(root: Path) -> str:
+    command = ["git", "rev-parse", "--short", "HEAD"]
+    return subprocess.run(command, cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def checkout_commit() -> str:
+    """The commit a benchmark run from this source tree records: git's HEAD in a clone; "unknown" in an
+    unpacked sdist or ``git archive``, which have no .git."""
+    return git_head(ROOT) if (ROOT / ".git").exists() else "unknown"
 
 
 def test_the_readme_performance_section_matches_the_results_files():
@@ -36,16 +48,35 @@ def test_the_simulated_benchmark_fills_every_cell_for_a_model():
     assert all(c["fits"] == (c["fraction"] == 1) for c in result["cells"] if c["strategy"] == "keep_all")
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_a_benchmark_records_the_commit_of_its_checkout_and_unknown_outside_one(tmp_path):
+    from benchmarks._machine import machine, source_commit
+
+    assert machine()["commit"] == checkout_commit()
+    assert source_commit(tmp_path) == "unknown"  # a directory outside any repository, as an unpacked sdist
+    repository = tmp_path / "clone"
+    (repository / "unpacked").mkdir(parents=True)
+    identity = ["-c", "user.name=oocjax tests", "-c", "user.email=tests@oocjax.invalid", "-c", "commit.gpgsign=false"]
+    for command in (["init", "-q"], [*identity, "commit", "-q", "--allow-empty", "-m", "A commit"]):
+        subprocess.run(["git", *command], cwd=repository, capture_output=True, check=True)
+    assert source_commit(repository) == git_head(repository)
+    # A tarball unpacked inside some other checkout is still not a checkout: that repository's HEAD is not its commit.
+    assert source_commit(repository / "unpacked") == "unknown"
+
+
 def test_the_gpu_check_dry_run_runs_every_configuration_with_equal_losses(tmp_path):
     from benchmarks import gpu_check, report
 
     out = tmp_path / "gpu-dry.json"
     command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)]
+    commit_before = checkout_commit()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     record = json.loads(out.read_text())
     assert record["benchmark"] == "gpu_check" and record["dry_run"] and record["summary"]["failures"] == []
-    assert record["commit"] and record["date"] and {"jax", "jaxlib", "flax", "optax"} <= set(record["versions"])
+    # The source tree's commit ("unknown" outside a git checkout), taken once the run started: HEAD may move meanwhile.
+    assert record["commit"] in {commit_before, checkout_commit()}
+    assert record["date"] and {"jax", "jaxlib", "flax", "optax"} <= set(record["versions"])
     assert record["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
 
     link = record["link"]
