@@ -13,6 +13,8 @@ second call with the same shapes neither traces nor plans again):
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,6 +33,23 @@ from oocjax.transforms.memories import memory_kind, sharding
 from oocjax.transforms.trace import TracedStep, trace_arguments
 
 __all__ = ["MAX_RUNTIME_REPLANS", "OocJitted", "Plan", "ooc_jit", "to_device", "to_host"]
+
+# Warned once per ``ooc_jit`` step called with traced arguments (inside jax.jit, jax.grad, jax.vmap).
+NESTED_WARNING = (
+    "oocjax: {name} was called inside a jax transformation (jax.jit, jax.grad, jax.vmap, ...): it is traced "
+    "inline there, as a nested jax.jit is, and its budget of {budget} does not apply. The budget holds only "
+    "where an ooc_jit function is called at the top level, on arrays; an outer jit, grad or vmap decides the "
+    "memory of the whole itself. To keep the budget, wrap the whole (differentiated) step in ooc_jit, e.g. "
+    "ooc_jit(jax.value_and_grad(loss), budget=...) rather than jax.grad(ooc_jit(loss, budget=...))."
+)
+
+# For a plan that keeps state in host memory between steps: how to evaluate that state. ``jax.jit``
+# refuses operations on host memory ("memory_space of all inputs passed to 'gather' must be the same").
+HOST_STATE_HINT = (
+    "State kept on host cannot go to plain jax.jit: evaluate it with an ooc_jit step under the same budget "
+    "(ooc_jit(eval_step, budget=...)(state, batch), without donating it), or move it back with "
+    "oocjax.to_device(state) where the device has room for it."
+)
 
 
 def ooc_jit(
@@ -56,7 +75,10 @@ def ooc_jit(
         ``"80%"``) where the device reports its size.
       static_argnums, static_argnames, donate_argnums: as for ``jax.jit``. Donate the training
         state: its device memory is then reused during the step, and state kept in host memory
-        comes back there, ready for the next step.
+        comes back there, ready for the next step. As ``jax.jit`` does, a successful call deletes
+        every donated array (except one the step returns as it is). State kept in host memory is
+        evaluated with an ``ooc_jit`` eval step under the same budget (not donated), or moved back
+        with ``to_device``: plain ``jax.jit`` refuses to compute on host memory.
       **planner_options: ``window_bytes`` (look-ahead in bytes, default 1.5x the budget),
         ``min_offload_bytes`` (smaller values never move, default 1 MiB), ``headroom_bytes`` (left
         free within the budget for the device allocator's own overhead: 8% of the budget on GPUs
@@ -73,7 +95,10 @@ def ooc_jit(
         costs, e.g. ``lambda name, label: True if name == "lt" else None`` for dropout masks.
 
     Returns:
-      A callable with ``plan(...)`` and ``lower(...)`` methods.
+      A callable with ``plan(...)`` and ``lower(...)`` methods. Called inside ``jax.jit``,
+      ``jax.grad`` or ``jax.vmap`` (with traced arguments), it is traced inline as a nested
+      ``jax.jit`` is and its budget does not apply (a warning says so, once): wrap the whole
+      differentiated step in ``ooc_jit`` to keep the budget.
 
     >>> import jax.numpy as jnp
     >>> step = ooc_jit(lambda x: (x * 2).sum(), budget="1GiB")
@@ -107,27 +132,42 @@ class OocJitted:
         # Different steps have their own locks, and their budgets do not add up.
         self._lock = threading.RLock()
         self._jitted = jax.jit(self.fun, **arguments.jit_kwargs)
+        self._warned_nested = False  # called inside jax.jit / grad / vmap: said once per step
         functools.update_wrapper(self, self.fun, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves = self.arguments.dynamic_leaves(args, kwargs)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return self._inline(args, kwargs)
         with self._lock:
-            return self._call(args, kwargs)
+            return self._call(args, kwargs, leaves)
 
-    def _call(self, args: tuple, kwargs: dict) -> Any:
-        traced, planner, leaves = self._entry(args, kwargs)
+    def _inline(self, args: tuple, kwargs: dict) -> Any:
+        """Called inside ``jax.jit``, ``jax.grad``, ``jax.vmap`` (traced arguments): traced inline as a
+        nested ``jax.jit`` is, at every budget; the outer transformation decides the memory."""
+        with self._lock:
+            warn, self._warned_nested = not self._warned_nested, True
+        if warn:
+            message = NESTED_WARNING.format(name=_name(self.fun), budget=format_bytes(self.budget_bytes))
+            warnings.warn(message, stacklevel=_user_stacklevel())
+        return self._jitted(*args, **kwargs)
+
+    def _call(self, args: tuple, kwargs: dict, leaves: list) -> Any:
+        traced, planner = self._entry(args, kwargs, leaves)
         built = planner.built
+        # As jax.jit does, a successful call deletes every donated argument, except one the step
+        # returns as it is; until then, a failed or interrupted call leaves those not yet consumed intact.
+        donated = [x for x, gave in zip(leaves, traced.donated) if gave]
         if built.executor is None:
             if any(_on_host(x) for x in leaves):
                 # jax.jit refuses arithmetic on host memory: host-kept state goes to the device first.
                 args, kwargs = self.arguments.map_dynamic(_device_if_on_host, args, kwargs)
-            return self._jitted(*args, **kwargs)
+            del leaves
+            results = self._jitted(*args, **kwargs)
+            _delete_unreturned(donated, jax.tree.leaves(results))
+            return results
         moved = [_to_memory(x, kind) for x, kind in zip(leaves, built.input_kinds)]
         copies = [leaf is not original for original, leaf in zip(leaves, moved)]
-        # Donated arguments already in host memory are kept until the call has succeeded: a failed
-        # or interrupted call leaves them intact, to be used again.
-        host_donated = [
-            x for x, copied, gave in zip(leaves, copies, traced.donated) if gave and not copied and _on_host(x)
-        ]
         deleted = _delete_donated_originals(leaves, copies, traced.donated)
         del leaves
         # The executor takes the list over and empties it, and deletes the copies made here at
@@ -142,7 +182,7 @@ class OocJitted:
         warning = planner.after_call(built.executor.measured_peak_bytes)
         if warning:
             warnings.warn(f"oocjax: a call of {_name(self.fun)} {warning}", stacklevel=3)
-        _delete_unreturned(host_donated, results)
+        _delete_unreturned(donated, results)
         return jax.tree.unflatten(traced.out_tree, results)
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
@@ -167,15 +207,17 @@ class OocJitted:
             for function, specs in zip(built.segment_functions, segment_specs(built.plan.jaxpr))
         )
 
-    def _entry(self, args: tuple, kwargs: dict) -> tuple[TracedStep, StepPlanner, list]:
+    def _entry(self, args: tuple, kwargs: dict, leaves: list | None = None) -> tuple[TracedStep, StepPlanner]:
         """The call's trace and its planner (made on first use), per signature and which arguments
-        the caller holds on the device; and the arguments' dynamic leaves (flattened once a call)."""
+        the caller holds on the device; ``leaves`` are the arguments' dynamic leaves, if the caller
+        has flattened them already."""
         with self._lock:
             signature = self.arguments.signature(args, kwargs)
             if signature not in self._traces:
                 self._traces[signature] = trace_arguments(self.arguments, args, kwargs)
             traced = self._traces[signature]
-            leaves = self.arguments.dynamic_leaves(args, kwargs)
+            if leaves is None:
+                leaves = self.arguments.dynamic_leaves(args, kwargs)
             held = tuple(not gave and not _on_host(x) for x, gave in zip(leaves, traced.donated))
             key = signature, held
             if key not in self._planners:
@@ -183,11 +225,23 @@ class OocJitted:
                 self._planners[key] = StepPlanner(
                     traced, self.budget_bytes, self.options, held_by_caller=held, host_bytes_in_use=on_host
                 )
-            return traced, self._planners[key], leaves
+            return traced, self._planners[key]
 
 
 def _name(fun: Callable) -> str:
     return getattr(fun, "__qualname__", None) or repr(fun)
+
+
+_LIBRARY_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(jax.__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning issued by the caller at the first frame outside
+    oocjax and jax: the user's line that called the transformation, not jax's internals."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _delete_donated_originals(leaves: Sequence[Any], copies: Sequence[bool], donated: Sequence[bool]) -> list[int]:
@@ -202,9 +256,9 @@ def _delete_donated_originals(leaves: Sequence[Any], copies: Sequence[bool], don
 
 
 def _delete_unreturned(donated: Sequence[Any], results: Sequence[Any]) -> None:
-    """After a successful call, donated arguments kept in host memory are deleted, as ``jax.jit``
-    deletes donated device arguments (old and new state would otherwise share the host). One that
-    the step returns as it is stays."""
+    """After a successful call, every donated argument is deleted, as ``jax.jit`` deletes donated
+    arguments, whether a segment consumed it, the call copied it or neither (then old and new state
+    would otherwise both stay alive, in device or host memory). One that the step returns as it is stays."""
     returned = {id(x) for x in results}
     for x in donated:
         if id(x) not in returned and isinstance(x, jax.Array) and not x.is_deleted():
@@ -241,25 +295,38 @@ def to_host(tree: Any) -> Any:
 
 def to_device(tree: Any) -> Any:
     """``tree`` with every leaf kept in host memory (state an ``ooc_jit`` plan keeps there) moved to
-    device memory, e.g. to evaluate the trained parameters with ``jax.jit``.
+    device memory, e.g. to evaluate the trained parameters with ``jax.jit``, which refuses to compute
+    on host memory.
 
-    Raises ``OocError`` when the device reports less free memory than those leaves need: keep
-    using them through ``ooc_jit`` then.
+    Raises ``OocError`` when the device reports less free memory than those leaves need: evaluate
+    them where they are then, with an ``ooc_jit`` step under the training budget.
 
     >>> import jax.numpy as jnp
     >>> to_device({"w": jnp.ones(2)})["w"].sharding.memory_kind
     'device'
     """
-    needed = sum(x.nbytes for x in jax.tree.leaves(tree) if memory_kind(x) == "pinned_host")
-    stats = jax.devices()[0].memory_stats()
-    if stats and "bytes_limit" in stats and needed > stats["bytes_limit"] - stats.get("bytes_in_use", 0):
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    on_host = [x for x in jax.tree.leaves(tree) if memory_kind(x) == "pinned_host"]
+    needed = sum(x.nbytes for x in on_host)
+    free = _free_device_bytes()
+    if free is not None and needed > free:
         raise OocError(
-            f"to_device: the host-kept leaves need {format_bytes(needed)} on the device, which has "
-            f"{format_bytes(free)} free. Keep using them through ooc_jit (a step that reads them in "
-            "pieces), or free device memory first."
+            f"to_device: the {len(on_host)} leaves kept in host memory need {format_bytes(needed)} on the device, "
+            f"which has {format_bytes(free)} free.\n"
+            "Fixes:\n"
+            "  1. evaluate them where they are, with an ooc_jit step under the training budget (it streams them "
+            "in): ooc_jit(eval_step, budget=...)(state, batch), without donating the state;\n"
+            "  2. move only what you need, e.g. to_device(state['params']) without the optimizer state;\n"
+            "  3. free device memory first (delete arrays you no longer need)."
         )
     return jax.tree.map(_device_if_on_host, tree)
+
+
+def _free_device_bytes() -> int | None:
+    """What the device's allocator has left; None where the device does not say (a CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def _device_if_on_host(x: Any) -> Any:

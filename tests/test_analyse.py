@@ -1,17 +1,24 @@
-"""The costs analyse.py gives higher-order primitives: bodies' flops and scratch, per primitive's rule.
+"""The costs analyse.py gives higher-order primitives: bodies' flops and scratch, per primitive's rule;
+and the labels it gives values, as their users name them.
 
 Flops are worked out by hand from the rules: ``dot_general`` of two 8x8 matrices is 2·8·8·8 = 1024,
 every other primitive one per output element (``sin`` of an 8x8 matrix 64, a scalar counter's ``add``
 or ``lt`` 1).
 """
 
+import re
+from pathlib import Path
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
 
 import oocjax
-from oocjax import UnsupportedPrimitiveError
+from oocjax import UnsupportedPrimitiveError, ooc_jit
 from oocjax.transforms import analyse
+from oocjax.transforms.trace import trace_step
+from tests.zoo import mlp_adam
 
 W = jnp.linspace(-1, 1, 64).reshape(8, 8)
 X = jnp.ones((8, 8))
@@ -159,3 +166,131 @@ def test_the_rule_the_refusal_suggests_lets_the_primitive_be_analysed(monkeypatc
     assert suggested.startswith("oocjax.transforms.analyse.primitive_rules['shard_map'] = ")
     exec(suggested, {"oocjax": oocjax})
     assert the_step("shard_map", doubled_in_a_shard_map, jnp.ones(4)).flops == 4  # its body's multiply
+
+
+# Labels: a value is named by the scope it was made in (a Flax module path), what made it as its user
+# calls it, and the user's line; a result by where the step returns it.
+
+
+def labels_of(fun, *args, **options):
+    return [buffer.label for buffer in trace_step(fun, *args, **options).program.buffers]
+
+
+def line_of(marker: str) -> int:
+    """The line of this file holding ``marker`` (a comment), as labels cite it."""
+    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if line.endswith(marker))
+
+
+def thresholded(x):
+    with jax.named_scope("block"):
+        h = jnp.where(x > 0.5, x * x, 0.0)  # where-line
+    return jax.nn.relu(h).sum() + jax.nn.silu(h).sum()  # activations-line
+
+
+def test_a_value_is_named_by_its_scope_by_what_its_user_called_and_by_the_users_line():
+    labels = labels_of(jax.value_and_grad(thresholded), X)
+    where, activations = line_of("# where-line"), line_of("# activations-line")
+    expected = {
+        f"block: output of > from test_analyse.py:{where} (thresholded)",
+        # jnp.where is a jitted function: its body is inlined, its result named as the user called it,
+        # inside the caller's scope and at the caller's line.
+        f"block: output of where from test_analyse.py:{where} (thresholded)",
+        f"output of relu from test_analyse.py:{activations} (thresholded)",  # custom_jvp_call
+        f"output of silu from test_analyse.py:{activations} (thresholded)",  # an inlined jit
+    }
+    assert expected <= set(labels), sorted(set(labels))
+    words = " ".join(labels)
+    for internal in ("add_any", "custom_jvp_call", "select_n", " gt ", "logistic", "_where"):
+        assert internal not in words, internal
+    assert all(label.startswith(("argument ", "result", "block: ", "output of ")) for label in labels), labels
+
+
+def test_every_equation_of_a_jitted_library_function_names_the_line_that_called_it():
+    steps = trace_step(jax.value_and_grad(thresholded), X).program.steps
+    assert steps and all(re.fullmatch(r"test_analyse\.py:\d+ \(thresholded\)", s.label) for s in steps), [
+        (s.name, s.label) for s in steps if not s.label.startswith("test_analyse.py:")
+    ]
+
+
+def test_results_are_named_by_where_the_step_returns_them_as_arguments_are_by_where_they_are_given():
+    def sgd(state, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.sin(x @ p["w"]).sum())(state)
+        return {"w": state["w"] - 0.1 * grads["w"], "frozen": state["frozen"]}, loss
+
+    labels = labels_of(sgd, {"w": W, "frozen": X}, X, donate_argnums=0)
+    assert labels[:3] == ["argument state['frozen']", "argument state['w']", "argument x"]
+    assert "result[0]['w']" in labels and "result[1]" in labels
+    assert "result[0]['frozen']" not in labels, "returned as it is: still the argument"
+
+
+class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(8)(x))
+
+
+class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.remat(Layer)()(x)
+        for _ in range(2):
+            x = Layer()(x)
+        return (nn.Dense(1)(x) ** 2).sum()
+
+
+def flax_grad_labels() -> list[str]:
+    model = Model()
+    params = model.init(jax.random.key(0), X)
+    return labels_of(jax.grad(model.apply), params, X)
+
+
+def test_a_flax_value_is_named_by_its_module_path_without_the_models_own_root():
+    labels = flax_grad_labels()
+    scopes = {label.split(": ")[0] for label in labels if ": output of " in label}
+    # The remat block's backward equations are named once, as the forward's are, not Model/Model/...
+    assert scopes == {"CheckpointLayer_0", "CheckpointLayer_0/Dense_0", "Layer_0", "Layer_0/Dense_0"} | {
+        "Layer_1",
+        "Layer_1/Dense_0",
+        "Dense_0",
+    }, sorted(scopes)
+    assert any(label.startswith("Layer_1/Dense_0: output of dot_general from test_analyse.py:") for label in labels)
+    assert "result['params']['Layer_1']['Dense_0']['kernel']" in labels
+
+
+def test_two_models_in_one_step_keep_their_roots():
+    first, second = Layer(), Layer()
+    a, b = first.init(jax.random.key(0), X), second.init(jax.random.key(1), X)
+
+    def two(a, b, x):
+        with jax.named_scope("student"):
+            s = first.apply(a, x)
+        with jax.named_scope("teacher"):
+            t = second.apply(b, x)
+        return ((s - t) ** 2).sum()
+
+    scopes = {label.split(": ")[0] for label in labels_of(jax.grad(two), a, b, X) if ": output of " in label}
+    assert {"student/Layer/Dense_0", "teacher/Layer/Dense_0"} <= scopes, sorted(scopes)
+
+
+def test_a_users_own_scope_around_everything_stays_in_the_labels_and_so_does_one_around_a_vmap():
+    def scoped(x):
+        with jax.named_scope("inner"):
+            return jnp.sin(x)
+
+    def outer(x):
+        with jax.named_scope("outer"):
+            return jax.vmap(scoped)(x).sum()
+
+    assert any(label.startswith("outer/inner: output of sin") for label in labels_of(outer, X))
+
+
+def test_results_a_plan_keeps_on_host_are_named_as_the_state_arguments_they_replace():
+    case = mlp_adam()
+    in_core = ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0]).baseline_peak_bytes
+    step = ooc_jit(case.step, budget=int(in_core * 0.35), donate_argnums=0, recompute="off", min_offload_bytes=4096)
+    plan = step.plan(case.state, case.batches[0])
+    arguments = {h.label.removeprefix("argument state") for h in plan.host_inputs}
+    results = {label.removeprefix("result[0]") for label in plan.host_outputs}  # the step returns (state, metrics)
+    assert plan.host_outputs and all(label.startswith("result[0][") for label in plan.host_outputs)
+    assert results <= arguments, sorted(results - arguments)
+    assert "[0]['params']['Dense_3']['kernel']" in arguments

@@ -25,9 +25,12 @@ __all__ = [
     "Literal",
     "Var",
     "bind_equation",
+    "called_function_name",
     "equation_context",
     "jaxpr_as_fun",
     "nbytes",
+    "nested_in",
+    "scope_path",
     "source_line",
     "sub_jaxprs",
     "wait_p",
@@ -112,6 +115,64 @@ def equation_context(eqn: JaxprEqn) -> Iterator[None]:
 def with_source_of(eqn: JaxprEqn, source: JaxprEqn) -> JaxprEqn:
     """``eqn`` as if written where ``source`` was (oocjax's own slicing and stacking of a scan)."""
     return eqn.replace(source_info=source.source_info)
+
+
+def nested_in(eqn: JaxprEqn, caller: JaxprEqn) -> JaxprEqn:
+    """``eqn``, from the body of ``caller`` (a ``jit``, remat or ``scan`` equation), as jax's own
+    inlining gives it: the caller's name stack before its own (a body's name stack is relative to
+    its call, so a Flax module that calls a jitted function, ``jax.random`` or ``jnp.where``, would
+    otherwise lose its path), and the caller's traceback where its own has no frame of the user's
+    (the body of a jitted library function: its equations then point at the line that called it)."""
+    info = eqn.source_info
+    outer = caller.source_info.name_stack
+    name_stack = outer + info.name_stack if outer.stack else None
+    traceback = caller.source_info.traceback if _user_frame(info.traceback) is None else None
+    if name_stack is None and traceback is None:
+        return eqn
+    return eqn.replace(source_info=info.replace(traceback=traceback, name_stack=name_stack))
+
+
+# Scopes jax itself opens, which name no part of the user's model.
+_JAX_SCOPES = frozenset({"rematted_computation"})
+
+
+def scope_path(eqn: JaxprEqn) -> str:
+    """``"Transformer/Block_0/Dense_1"``: the named scopes an equation ran in (Flax modules, whose
+    methods run under ``jax.named_scope``, and the user's own), without the transformations around
+    them (``jvp``, ``transpose``); ``""`` outside any."""
+    return _scope_path(eqn.source_info.name_stack)
+
+
+@functools.lru_cache(maxsize=4096)  # equations of one module share name stacks
+def _scope_path(name_stack: Any) -> str:
+    path: list[str] = []
+    part: list[str] = []
+    for item in name_stack.stack:
+        if isinstance(item, source_info_util.Transform):
+            path, part = _rerooted(path, part), []
+        elif item.name not in _JAX_SCOPES:
+            part.append(item.name)
+    return "/".join(_rerooted(path, part))
+
+
+def _rerooted(path: list[str], part: list[str]) -> list[str]:
+    """The path after ``part``, the scopes that follow a transformation. A transformed equation may
+    carry its whole stack again there (jax's transpose of a remat block gives
+    ``transpose(jvp(Model))/jvp(Model)``): a part that repeats the path so far replaces it."""
+    return part if path and part[: len(path)] == path else path + part
+
+
+def called_function_name(eqn: JaxprEqn) -> str | None:
+    """The name of the function a call equation runs, as its user wrote it: ``relu`` for the
+    ``custom_jvp_call`` of ``jax.nn.relu``, ``silu`` for the ``jit`` of ``jax.nn.silu``, ``where``
+    for ``jnp.where``'s ``_where``; None where there is none (a lambda, or not a call)."""
+    name = eqn.params.get("name")
+    if not isinstance(name, str):
+        callee = eqn.params.get("call_jaxpr")
+        debug = getattr(getattr(callee, "jaxpr", callee), "debug_info", None)
+        name = getattr(debug, "func_name", None)
+    name = name.lstrip("_") if isinstance(name, str) else ""
+    return name if name.isidentifier() else None
 
 
 def source_line(eqn: JaxprEqn) -> str:

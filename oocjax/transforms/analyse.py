@@ -7,6 +7,9 @@ Two passes, each one loop over equations:
   with a global buffer id. It then drops dead code: equations without effects whose results
   nobody reads (XLA would drop them too, but the planner would have held their memory).
 * ``to_program`` sizes every buffer from its aval and turns each flat equation into a planner step.
+  It labels every value as its user would name it: arguments and results by their pytree paths
+  (``argument state['w']``, ``result[0]['w']``), other values by the scope they were made in (a
+  Flax module path), the operation as users call it (``user_name_rules``) and the user's line.
   Other higher-order primitives (``scan``, ``while``, ``cond``, ``custom_jvp_call``,
   ``custom_vjp_call``) stay one opaque step each, whose own peak becomes the step's scratch
   (``transient_bytes``) and whose work its flops.
@@ -59,6 +62,9 @@ class FlatProgram:
     outputs: tuple[Ref, ...]
     loops: tuple[LoopInfo, ...] = ()  # top-level scans, unrolled or not
     dead_equations: int = 0  # equations ``flatten`` dropped because nobody reads their results
+    # (buffer, name) for each buffer an inlined call of a named function returned (``jax.nn.silu``'s
+    # jit): the name its user calls it by, for its label.
+    result_names: tuple[tuple[int, str], ...] = ()
 
 
 def flatten(closed: jc.ClosedJaxpr, *, unroll: bool = True) -> FlatProgram:
@@ -75,6 +81,7 @@ def flatten(closed: jc.ClosedJaxpr, *, unroll: bool = True) -> FlatProgram:
             constants=tuple(flattener.constants),
             outputs=tuple(outputs),
             loops=tuple(flattener.loops),
+            result_names=tuple(sorted(flattener.result_names.items())),
         )
         return without_dead_code(flat)
 
@@ -125,6 +132,7 @@ def without_dead_code(flat: FlatProgram) -> FlatProgram:
         outputs=tuple(map(renumber, flat.outputs)),
         loops=flat.loops,
         dead_equations=flat.dead_equations + len(flat.equations) - len(live),
+        result_names=tuple((new_id[b], name) for b, name in flat.result_names if b in new_id),
     )
 
 
@@ -156,6 +164,7 @@ class _Flattener:
         self.equations: list[FlatEquation] = []
         self.loops: list[LoopInfo] = []
         self.constant_ids: dict[int, int] = {}  # id(value) -> its buffer: a constant inlined twice is one value
+        self.result_names: dict[int, str] = {}  # FlatProgram.result_names
         self.stacks: dict[int, int] = {}  # id(_Stacked) -> the buffer built for it
 
     def new(self, aval: Any) -> int:
@@ -168,9 +177,17 @@ class _Flattener:
             self.constants.append((self.constant_ids[id(value)], value))
         return self.constant_ids[id(value)]
 
-    def inline(self, jaxpr: jc.Jaxpr, consts: Sequence[Any], operands: Sequence[Any], source: Any = None) -> list:
+    def inline(
+        self,
+        jaxpr: jc.Jaxpr,
+        consts: Sequence[Any],
+        operands: Sequence[Any],
+        source: Any = None,
+        caller: jc.JaxprEqn | None = None,
+    ) -> list:
         """The equations of ``jaxpr`` on ``operands``; its results (buffers, literals or stacks).
-        With ``source``, the equations take its source line (oocjax's own slicing and stacking)."""
+        With ``source``, the equations take its source line (oocjax's own slicing and stacking); with
+        ``caller`` (the equation whose body ``jaxpr`` is), its name stack goes before theirs."""
         env: dict[jc.Var, Any] = dict(zip(jaxpr.invars, operands, strict=True))
         env |= {var: self.constant(var.aval, value) for var, value in zip(jaxpr.constvars, consts, strict=True)}
 
@@ -178,11 +195,17 @@ class _Flattener:
             return atom if isinstance(atom, jc.Literal) else env[atom]
 
         for eqn in jaxpr.eqns:
+            if caller is not None:
+                eqn = jc.nested_in(eqn, caller)
             rule = primitive_rules.get(eqn.primitive.name)
             if rule is not None and rule.inline_param is not None:
                 callee = eqn.params[rule.inline_param]  # a ClosedJaxpr, or a Jaxpr without consts (remat)
                 jaxpr_, consts_ = getattr(callee, "jaxpr", callee), getattr(callee, "consts", ())
-                results = self.inline(jaxpr_, consts_, [value(a) for a in eqn.invars], source)
+                first = len(self.avals)
+                results = self.inline(jaxpr_, consts_, [value(a) for a in eqn.invars], source, caller=eqn)
+                if eqn.primitive is jc.jit_p and (name := jc.called_function_name(eqn)):
+                    # What the call made and returned is what the user called (an outer call's name wins).
+                    self.result_names.update((r, name) for r in results if isinstance(r, int) and r >= first)
             elif eqn.primitive is jc.scan_p and self.unroll and _worth_unrolling(eqn):
                 results = self.unrolled_scan(eqn, [value(a) for a in eqn.invars])
             else:
@@ -218,7 +241,7 @@ class _Flattener:
         for i in reversed(range(length)) if params["reverse"] else range(length):
             index = self.constant(jax.typeof(_index_value(i)), _index_value(i))
             slices = [self.slice(x, i, index, eqn) for x in xs]
-            results = self.inline(body.jaxpr, body.consts, [*consts, *carry, *slices])
+            results = self.inline(body.jaxpr, body.consts, [*consts, *carry, *slices], caller=eqn)
             carry = results[:carry_count]
             for y, result in zip(ys, results[carry_count:], strict=True):
                 y[i] = result
@@ -373,6 +396,40 @@ def _rule_for(eqn: jc.JaxprEqn) -> PrimitiveRule:
     return rule if rule is not None else _default_rule(eqn)
 
 
+# The name users call an operation by, where jax's primitive name is not it: per primitive, a name or
+# a function of the equation (None: no better name); ``_default_user_name_rule`` otherwise.
+user_name_rules: dict[str, str | Callable[[jc.JaxprEqn], str | None]] = {
+    "add_any": "add",  # jax's sum of two cotangents
+    "gt": ">",
+    "ge": ">=",
+    "lt": "<",
+    "le": "<=",
+    "eq": "==",
+    "ne": "!=",
+    "max": "maximum",  # element-wise, as jnp.maximum; the reductions are jnp.max and friends
+    "min": "minimum",
+    "reduce_max": "max",
+    "reduce_min": "min",
+    "reduce_sum": "sum",
+    "reduce_prod": "prod",
+    "select_n": "where",
+    "logistic": "sigmoid",
+    "convert_element_type": "astype",
+    jc.custom_jvp_call_p.name: jc.called_function_name,  # jax.nn.relu's custom_jvp_call: relu
+    jc.custom_vjp_call_p.name: jc.called_function_name,
+}
+
+
+def _default_user_name_rule(eqn: jc.JaxprEqn) -> str:
+    return eqn.primitive.name
+
+
+def _user_name(eqn: jc.JaxprEqn) -> str:
+    rule = user_name_rules.get(eqn.primitive.name, _default_user_name_rule)
+    name = rule if isinstance(rule, str) else rule(eqn)
+    return name or _default_user_name_rule(eqn)
+
+
 def _bodies(eqn: jc.JaxprEqn, rule: PrimitiveRule) -> Iterator[Any]:
     for param in rule.body_params:
         value = eqn.params[param]
@@ -390,20 +447,51 @@ class _Analysis:
 
     def __init__(self) -> None:
         self.bodies: dict[int, _BodyCost] = {}
-        self.lines: dict[int, str] = {}  # id(eqn) -> its source line: looked up once per equation
+        # id(eqn) -> (eqn, its source line): looked up once per equation. The equation is kept so that
+        # its id is not reused (``flatten`` makes equations of inlined bodies anew).
+        self.lines: dict[int, tuple[jc.JaxprEqn, str]] = {}
 
     def source_line(self, eqn: jc.JaxprEqn) -> str:
         key = id(eqn)
         if key not in self.lines:
-            self.lines[key] = jc.source_line(eqn)
-        return self.lines[key]
+            self.lines[key] = eqn, jc.source_line(eqn)
+        return self.lines[key][1]
 
-    def program(self, flat: FlatProgram, *, input_labels: Sequence[str], donated: Sequence[bool]) -> Program:
+    def value_label(self, eqn: jc.JaxprEqn, called: str | None = None, root: str = "") -> str:
+        """``"Block_2/Dense_0: output of dot_general from model.py:42 (__call__)"``: the scope (Flax
+        module path) the value was made in, where there is one, then what made it, as its user calls
+        it (``called``: the named function an inlined call of which returned it, else
+        ``user_name_rules``), and the user's source line. ``root`` is left out of the scope."""
+        what = f"output of {called or _user_name(eqn)}"
+        where = self.source_line(eqn)
+        if where:
+            what += f" from {where}"
+        scope = jc.scope_path(eqn)
+        if root and (scope == root or scope.startswith(root + "/")):
+            scope = scope[len(root) + 1 :]
+        return f"{scope}: {what}" if scope else what
+
+    def program(
+        self,
+        flat: FlatProgram,
+        *,
+        input_labels: Sequence[str],
+        donated: Sequence[bool],
+        output_labels: Sequence[str] = (),
+    ) -> Program:
         constant_ids = {b for b, _ in flat.constants}
         defined_by: dict[int, jc.JaxprEqn] = {o: fe.eqn for fe in flat.equations for o in fe.outputs}
         outputs = [r for r in flat.outputs if isinstance(r, int)]
         aliases = _donation_aliases(flat, outputs, donated)
         returned = set(outputs)
+        # A result is named by where the step returns it, as an argument is by where it is given
+        # (``result[0]['params']['w']``, jax's own spelling): that is the state leaf it becomes.
+        result_labels: dict[int, str] = {}
+        for r, label in zip(flat.outputs, output_labels):
+            if isinstance(r, int) and r in defined_by:
+                result_labels.setdefault(r, label)
+        called = dict(flat.result_names)
+        root = _common_root(jc.scope_path(fe.eqn) for fe in flat.equations)
         buffers = []
         for b, aval in enumerate(flat.avals):
             if b < flat.num_inputs:
@@ -411,9 +499,8 @@ class _Analysis:
             elif b in constant_ids:
                 kind, label = "constant", f"constant {aval.str_short()}"
             else:
-                eqn = defined_by[b]
-                where = self.source_line(eqn)
-                kind, label = "computed", f"output of {eqn.primitive.name}" + (f" from {where}" if where else "")
+                kind = "computed"
+                label = result_labels.get(b) or self.value_label(defined_by[b], called.get(b), root)
             buffers.append(
                 Buffer(
                     nbytes=jc.nbytes(aval),
@@ -462,6 +549,17 @@ class _Analysis:
         return self.bodies[key]
 
 
+def _common_root(paths: Iterable[str]) -> str:
+    """The first scope of every scoped equation, when they share one and it is named as a class is
+    (a capital first letter): a Flax model's root module, which Flax names by its class (its
+    submodules by attribute names or ``Dense_0``). It tells no two values apart, and Flax's own
+    parameter paths start below it, so labels leave it out: ``Block_2/Dense_0`` rather than
+    ``Transformer/Block_2/Dense_0``. A user's own scope (``jax.named_scope("encoder")``) stays."""
+    roots = {path.split("/", 1)[0] for path in paths if path}
+    root = roots.pop() if len(roots) == 1 else ""
+    return root if root[:1].isupper() else ""
+
+
 def _donation_aliases(flat: FlatProgram, outputs: Sequence[int], donated: Sequence[bool]) -> dict[int, int]:
     """Which output takes over which donated input: as XLA pairs them, the first output of the same
     shape and dtype not yet taken, for each donated input in order."""
@@ -479,10 +577,13 @@ def _donation_aliases(flat: FlatProgram, outputs: Sequence[int], donated: Sequen
     return aliases
 
 
-def to_program(flat: FlatProgram, *, input_labels: Sequence[str], donated: Sequence[bool]) -> Program:
-    """The planner's program for a flattened step."""
+def to_program(
+    flat: FlatProgram, *, input_labels: Sequence[str], donated: Sequence[bool], output_labels: Sequence[str] = ()
+) -> Program:
+    """The planner's program for a flattened step. Arguments are labelled ``argument <input label>``,
+    results by their ``output_labels`` (``result[0]['w']``), other values by ``_Analysis.value_label``."""
     with gc_paused():
-        return _Analysis().program(flat, input_labels=input_labels, donated=donated)
+        return _Analysis().program(flat, input_labels=input_labels, donated=donated, output_labels=output_labels)
 
 
 def _counted_loop_trips(fe: FlatEquation) -> int | None:

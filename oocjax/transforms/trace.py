@@ -62,6 +62,8 @@ def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict) -> TracedStep
     leaves = jax.tree_util.tree_flatten_with_path(traced.args_info)[0]
     labels = [spec.label(path, len(args)) for path, _ in leaves]
     donated = tuple(info.donated for _, info in leaves)
+    results = jax.tree_util.tree_flatten_with_path(traced.out_info)[0]
+    output_labels = [f"result{jax.tree_util.keystr(path)}" for path, _ in results]
     flat = flatten(traced.jaxpr)
-    program = to_program(flat, input_labels=labels, donated=donated)
+    program = to_program(flat, input_labels=labels, donated=donated, output_labels=output_labels)
     return TracedStep(traced.jaxpr, flat, program, jax.tree.structure(traced.out_info), donated)
