@@ -45,11 +45,6 @@ NESTED_WARNING = (
 
 # For a plan that keeps state in host memory between steps: how to evaluate that state. ``jax.jit``
 # refuses operations on host memory ("memory_space of all inputs passed to 'gather' must be the same").
-HOST_STATE_HINT = (
-    "State kept on host cannot go to plain jax.jit: evaluate it with an ooc_jit step under the same budget "
-    "(ooc_jit(eval_step, budget=...)(state, batch), without donating it), or move it back with "
-    "oocjax.to_device(state) where the device has room for it."
-)
 
 
 def ooc_jit(

@@ -16,6 +16,14 @@ if TYPE_CHECKING:
     from oocjax.plan import Plan
 
 
+# Under a plan that keeps state on host, what a user who evaluates it must know.
+HOST_STATE_HINT = (
+    "State kept on host cannot go to plain jax.jit: evaluate it with an ooc_jit step under the same budget "
+    "(ooc_jit(eval_step, budget=...)(state, batch), without donating it), or move it back with "
+    "oocjax.to_device(state) where the device has room for it."
+)
+
+
 def summary(plan: Plan, profile: DeviceProfile | str | None = None, *, largest: int = 10) -> str:
     """The plan as a text report: memory, traffic, the largest moves, and the timed simulation."""
     device = f" for {plan.device}" if plan.device else ""
@@ -24,6 +32,8 @@ def summary(plan: Plan, profile: DeviceProfile | str | None = None, *, largest: 
     lines += _largest_moves(plan, largest)
     lines += _recomputed_section(plan, largest)
     lines += _softmax_hint(plan)
+    if plan.host_inputs or plan.host_outputs:
+        lines += ["", HOST_STATE_HINT]
     if profile is not None:
         lines += _timed_simulation(plan, resolve_profile(profile))
     return "\n".join(lines)

@@ -9,6 +9,7 @@ import pytest
 
 import oocjax
 import oocjax.api
+import oocjax.render
 from examples.models import MLP
 from oocjax import OocError, ooc_jit
 from tests.zoo import mlp_adam
@@ -81,6 +82,14 @@ def test_to_device_says_what_to_do_when_the_device_has_no_room(monkeypatch):
 
 
 def test_the_hint_for_host_kept_state_names_both_ways_to_evaluate_it():
-    hint = oocjax.api.HOST_STATE_HINT
+    hint = oocjax.render.HOST_STATE_HINT
     assert "ooc_jit(eval_step, budget=...)(state, batch)" in hint and "oocjax.to_device(state)" in hint
     assert callable(oocjax.to_device)
+
+
+def test_the_summary_of_a_plan_that_keeps_state_on_host_says_how_to_evaluate_it():
+    train, state = trained_state_kept_on_host()
+    plan = train.plan(state, CASE.batches[1])
+    assert plan.host_inputs and oocjax.render.HOST_STATE_HINT in plan.summary()
+    in_core = ooc_jit(CASE.step, budget=2**62).plan(CASE.state, CASE.batches[0])
+    assert oocjax.render.HOST_STATE_HINT not in in_core.summary()

@@ -57,6 +57,10 @@ def test_the_summary_of_the_hand_worked_chain_reads_as_expected():
             "  1 MiB       host         0, 4              -  w2",
             "  1 MiB       host            0              -  w3",
             "",
+            "State kept on host cannot go to plain jax.jit: evaluate it with an ooc_jit step under the same budget "
+            "(ooc_jit(eval_step, budget=...)(state, batch), without donating it), or move it back with "
+            "oocjax.to_device(state) where the device has room for it.",
+            "",
             "Timed simulation on a model of h100-pcie, not a measurement:",
             "  device model  h100-pcie: 378 TFLOP/s sustained, host link 35 GB/s in, 50 GB/s out",
             "  step time     478 us = compute 30 us + exposed transfers 448 us",
