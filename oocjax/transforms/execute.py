@@ -235,8 +235,9 @@ class _DeviceMemory:
 
 
 def _probe(values: Sequence[Any]) -> Any:
-    """A value that is ready once the work that made ``values`` (a program's results) is done."""
-    return values[0] if values else None
+    """A value that is ready once the work that made ``values`` is done (None if none can tell: a
+    typed random key cannot be polled)."""
+    return next((x for x in values if hasattr(x, "is_ready")), None)
 
 
 def _device_bytes(x: Any) -> int:
