@@ -70,10 +70,8 @@ def ooc_jit(
         ``"80%"``) where the device reports its size.
       static_argnums, static_argnames, donate_argnums: as for ``jax.jit``. Donate the training
         state: its device memory is then reused during the step, and state kept in host memory
-        comes back there, ready for the next step. As ``jax.jit`` does, a successful call deletes
-        every donated array (except one the step returns as it is). State kept in host memory is
-        evaluated with an ``ooc_jit`` eval step under the same budget (not donated), or moved back
-        with ``to_device``: plain ``jax.jit`` refuses to compute on host memory.
+        comes back there, ready for the next step (evaluate it with an ``ooc_jit`` step, or
+        ``to_device`` it first). A successful call deletes every donated array, as ``jax.jit``.
       **planner_options: ``window_bytes`` (look-ahead in bytes, default 1.5x the budget),
         ``min_offload_bytes`` (smaller values never move, default 1 MiB), ``headroom_bytes`` (left
         free within the budget for the device allocator's own overhead: 8% of the budget on GPUs

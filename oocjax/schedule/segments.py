@@ -248,19 +248,22 @@ def cut_segments(
 
 
 def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flops: int) -> frozenset[int]:
-    """The steps where groups of layers begin, and where each pass's last layer ends. In each pass
-    (a kind's first word tells the backward's from the forward's), the runs of layers are taken in
-    groups of whole periods of their kinds (``Conv, BatchNorm, Conv, BatchNorm``: 2), enough
-    periods for ``min_flops`` of work, so that groups alike run one program and none is too small
-    to be worth a launch. A pass that makes one group only is not cut: a cut moves where XLA
-    rounds low-precision values and costs a launch, and buys no sharing there.
+    """The steps where groups of layers alike begin, and where the last of them ends.
+
+    In each pass (a kind's first word tells the backward's from the forward's), the runs of layers
+    are taken in groups of whole periods of their kinds (``Conv, BatchNorm, Conv, BatchNorm``: 2),
+    enough periods for ``min_flops`` of work. A group is cut out only where another group of the
+    pass is alike (``_signature``: the same operations on the same sizes, keeping the same values
+    for later), so that they run one compiled program; a group like no other is left to the cuts
+    the plan needs. A cut that buys no sharing costs a launch, compiles a program more and moves
+    where XLA rounds low-precision values.
 
     >>> from oocjax.schedule import Program
-    >>> p = Program.from_ops([("f", ["x"], ["y"]), ("g", ["y"], ["z"]), ("h", ["z"], ["w"])],
+    >>> p = Program.from_ops([("f", ["x"], ["y"]), ("f", ["y"], ["z"]), ("h", ["z"], ["w"])],
     ...                      {"x": 8, "y": 8, "z": 8, "w": 8}, inputs=["x"], outputs=["w"])
-    >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 2, "Dense")], min_flops=0))
+    >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 2, "Dense")], min_flops=0))  # two layers alike
     [0, 1, 2]
-    >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 2, "Dense")], min_flops=10**9))  # too small to share
+    >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 3, "Dense")], min_flops=0))  # the second is not
     []
     """
     cuts: set[int] = set()
@@ -270,10 +273,31 @@ def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flo
         blocks = [runs[i : i + period] for i in range(0, len(runs), period)]
         flops = sorted(sum(s.flops for a, y, _ in block for s in program.steps[a:y]) for block in blocks)
         per_group = period * max(1, -(-min_flops // max(flops[len(flops) // 2], 1)))
-        if per_group < len(runs):  # one group alone shares nothing: no cut is worth it
-            cuts.update(start for i, (start, _, _) in enumerate(runs) if i % per_group == 0)
-            cuts.add(runs[-1][1])
+        starts = [runs[i][0] for i in range(0, len(runs), per_group)]
+        bounds = [*starts, runs[-1][1]]
+        signatures = [_signature(program, a, y) for a, y in pairwise(bounds)]
+        shared = [signatures.count(sig) > 1 for sig in signatures]
+        for i, start in enumerate(starts):
+            if shared[i] or (i and shared[i - 1]):
+                cuts.add(start)
+        if shared[-1]:
+            cuts.add(bounds[-1])
     return frozenset(cuts)
+
+
+def _signature(program: Program, a: int, y: int) -> tuple:
+    """What steps a..y-1 compile to, as far as the planner sees: each step's operation, its operands
+    (a value defined in the range by position, else by size), its results' sizes and whether
+    steps after the range read them."""
+    local: dict[int, int] = {}
+    spans, buffers = program.unmoved_spans, program.buffers
+    signature = []
+    for step in program.steps[a:y]:
+        operands = tuple(local.get(b, -buffers[b].nbytes - 1) for b in step.reads)
+        results = tuple((buffers[b].nbytes, spans[b][1] >= y) for b in step.writes)
+        local.update((b, len(local)) for b in step.writes)
+        signature.append((step.name, operands, results, step.flops))
+    return tuple(signature)
 
 
 def _passes(layers: Sequence[tuple[int, int, str]]) -> list[list[tuple[int, int, str]]]:

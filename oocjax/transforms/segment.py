@@ -297,26 +297,7 @@ def build_chain(
     results = tuple(
         r if isinstance(r, jc.Literal) else r + host if r in schedule.host_outputs else r for r in flat.outputs
     )
-    # Per segment, the slots each of its four phases reads and writes, to find last uses walking back.
-    phases = [
-        [
-            ([host + b for b in s.waits], []),
-            ([host + b for b in s.prefetches], list(s.prefetches)),
-            (list(s.inputs), list(s.outputs)),
-            (list(s.offloads), [host + b for b in s.offloads]),
-        ]
-        for s in segments
-    ]
-    live = {r for r in results if not isinstance(r, jc.Literal)}
-    last_reads: list[list[set[int]]] = []
-    for segment_phases in reversed(phases):
-        found = []
-        for reads, writes in reversed(segment_phases):
-            live.difference_update(writes)
-            found.append({r for r in reads if r not in live})
-            live.update(reads)
-        last_reads.append(found[::-1])
-    last_reads.reverse()
+    last_reads = _last_reads(segments, host, {r for r in results if not isinstance(r, jc.Literal)})
 
     def name(what: str, buffers: Sequence[int]) -> str:
         return f"oocjax.{what}({', '.join(labels[b] if b < len(labels) else f'buffer {b}' for b in buffers)})"
@@ -350,6 +331,26 @@ def build_chain(
         results=results,
         slot_bytes=(*nbytes, *(0 for _ in nbytes)),
     )
+
+
+def _last_reads(segments: Sequence[Segment], host: int, returned: set[int]) -> list[list[set[int]]]:
+    """Per segment, per phase (waits, prefetches, launch, offloads), the slots read for the last
+    time there, found walking the chain back from the slots the step returns."""
+    live, found = set(returned), []
+    for s in reversed(segments):
+        phases = [
+            ([host + b for b in s.waits], []),
+            ([host + b for b in s.prefetches], list(s.prefetches)),
+            (list(s.inputs), list(s.outputs)),
+            (list(s.offloads), [host + b for b in s.offloads]),
+        ]
+        last = []
+        for reads, writes in reversed(phases):
+            live.difference_update(writes)
+            last.append({r for r in reads if r not in live})
+            live.update(reads)
+        found.append(last[::-1])
+    return found[::-1]
 
 
 def _on_device(values: Sequence[Any]) -> tuple[Any, ...]:
