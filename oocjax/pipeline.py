@@ -231,7 +231,7 @@ class StepPlanner:
         program, schedule, rewrite = choice.program, choice.schedule, choice.rewrite
         flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
         layers = layer_runs(flat)
-        history, worst_text = [], ""
+        history, worst_text, halved = [], "", set()
         while True:
             entry = dict(choice=choice, program=program, schedule=schedule)
             if schedule.moves_nothing and not rewrite.recomputed and options.min_segments <= 1:
@@ -239,6 +239,7 @@ class StepPlanner:
             _check_host_peak(program, schedule, self.host_budget, options.host_budget is None)
             cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments)
             cuts["layers"] = layers
+            cuts["cut_before"] = tuple(halved)
             cuts["copies"] = _copies(flat) if _MERGES_COPIES.get(_platform()) else ()
             segments = cut_segments(program, schedule, budget_bytes=budget.planned_bytes, **cuts)
             _refuse_invalid("chain of segments", check_segments(program, schedule, segments))
@@ -254,8 +255,9 @@ class StepPlanner:
                 smallest = max(required_bytes(program, options.min_offload_bytes))
                 raise OocError(_over_budget_message(budget.planned_bytes, history, smallest) + worst_text)
             # Some compiled segments came out larger than estimated (XLA's scratch, padding): plan
-            # again with that excess as scratch of their steps, so that less is held around them.
+            # again with that excess as scratch of their steps, so that less is held around them,
             program = with_measured_scratch(program, segments, costs, budget.planned_bytes)
+            halved.add((segments[worst].start + segments[worst].stop) // 2)  # and it is cut in two
             schedule = _plan(program, budget, options, history, worst_text)
         entry |= dict(segments=segments, costs=tuple(costs), attempts=tuple(m for _, m in history), peak=peak)
         return self._finish(budget, **entry, programs=programs, functions=functions), entry
