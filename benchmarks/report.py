@@ -104,7 +104,9 @@ def section() -> str:
             f"**Executor overhead** (`{name}`; {where(r)}): a {m['layers']}-layer MLP step ({m['width']} wide, "
             f"batch {m['batch']}, {r['jit_s_per_step'] * 1e3:.1f} ms under `jax.jit`) forced into N segments with "
             f"nothing to move: the executor's own time per segment, against the same programs called back to back, "
-            f"is (N: time) {costs}. {moves['model']} at 30% of its in-core estimate ({moves['segments']} segments, "
+            f"is (N: time) {costs}, median {_median([row['executor_us_per_segment'] for row in rows]):.0f} us (a "
+            f"difference of two step times that vary by about a millisecond between runs on this shared machine). "
+            f"{moves['model']} at 30% of its in-core estimate ({moves['segments']} segments, "
             f"{moves['moved_bytes'] / 2**20:.1f} MiB moved, {moves['recomputed']} values recomputed): "
             f"{moves['s_per_step'] * 1e3:.1f} ms a step, {moves['vs_back_to_back']:.2f}x its segments back to back "
             f"({moves['back_to_back_s'] * 1e3:.1f} ms; `jax.jit` {moves['jit_s'] * 1e3:.1f} ms).",
