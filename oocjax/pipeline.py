@@ -256,9 +256,15 @@ class StepPlanner:
                 raise OocError(_over_budget_message(budget.planned_bytes, history, smallest) + worst_text)
             # Some compiled segments came out larger than estimated (XLA's scratch, padding): plan
             # again with that excess as scratch of their steps, so that less is held around them,
-            program = with_measured_scratch(program, segments, costs, budget.planned_bytes)
-            halved.add((segments[worst].start + segments[worst].stop) // 2)  # and it is cut in two
-            schedule = _plan(program, budget, options, history, worst_text)
+            # and cut the worst in two. Where no plan holds that much scratch on every step of a
+            # long segment (its excess may be what merging its steps cost), the cut alone is tried.
+            halved.add((segments[worst].start + segments[worst].stop) // 2)
+            try:
+                learnt = with_measured_scratch(program, segments, costs, budget.planned_bytes)
+                program, schedule = learnt, _plan(learnt, budget, options, history, worst_text)
+            except OocError:
+                if segments[worst].stop - segments[worst].start <= 1:
+                    raise
         entry |= dict(segments=segments, costs=tuple(costs), attempts=tuple(m for _, m in history), peak=peak)
         return self._finish(budget, **entry, programs=programs, functions=functions), entry
 
