@@ -101,7 +101,9 @@ def test_a_flax_scan_of_remat_blocks_with_adamw_trains_like_jax_jit_at_35_percen
 def test_gradients_through_a_reverse_scan_run_per_iteration_equal_the_reference():
     grad = jax.grad(lambda w, x: scanned_mlp_loss(w, x, reverse=True))
     in_core = ooc_jit(grad, budget=2**62).plan(W, X).baseline_peak_bytes
-    ooc = ooc_jit(grad, budget=int(in_core * 0.3), min_offload_bytes=4096)
+    # Swap only: recomputed copies round differently inside other fusions, and whether the plan
+    # recomputes depends on this machine's measured speed; this test is about offloads across a scan.
+    ooc = ooc_jit(grad, budget=int(in_core * 0.3), min_offload_bytes=4096, recompute="off")
     w, x = to_host((W, X))  # not donated: passed in host memory, so that the step may stream them in
     assert ooc.plan(w, x).offloads
     np.testing.assert_allclose(np.asarray(to_device(ooc(w, x))), np.asarray(jax.jit(grad)(W, X)), rtol=1e-6, atol=1e-9)
