@@ -128,7 +128,7 @@ def section() -> str:
         lines += [
             f"**First call** (trace, plan, cut, compile, run; `{name}`; {where(r)}): the test zoo's transformer at "
             f"30% of its in-core estimate, against `jax.jit`'s first call: {depths}. "
-            f"A second process with the persistent cache on (see \"The first call\"): {second}.",
+            f'A second process with the persistent cache on (see "The first call"): {second}.',
             "",
         ]
     found = latest("hybrid-cpu")  # quick runs (--quick) go to the temporary folder, not results/

@@ -302,7 +302,7 @@ def build_chain(
     def name(what: str, buffers: Sequence[int]) -> str:
         return f"oocjax.{what}({', '.join(labels[b] if b < len(labels) else f'buffer {b}' for b in buffers)})"
 
-    nbytes = [_nbytes(aval) for aval in flat.avals]
+    nbytes = [jc.nbytes(aval) for aval in flat.avals]
     runs = tuple(
         SegmentRun(
             index=i,
@@ -355,15 +355,3 @@ def _last_reads(segments: Sequence[Segment], host: int, returned: set[int]) -> l
 
 def _on_device(values: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(jax.device_put(x, sharding("device")) for x in values)
-
-
-def _nbytes(aval: Any) -> int:
-    shape = getattr(aval, "shape", None)
-    return 0 if shape is None else int(aval.dtype.itemsize * _size(shape))
-
-
-def _size(shape: Sequence[int]) -> int:
-    size = 1
-    for d in shape:
-        size *= d
-    return size
