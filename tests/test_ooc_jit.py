@@ -274,8 +274,9 @@ def test_the_pretty_view_lists_segments_and_every_transfer_with_the_value_it_mov
 def test_a_segment_measured_over_the_budget_is_planned_again_with_its_real_scratch():
     # At 35% of this MLP's estimate, XLA's CPU program for a matmul segment needs more scratch than
     # the estimate: the first chain measures over the budget, and the second plan holds less there.
+    # Swap only: whether the step recomputes depends on this machine's measured speed.
     in_core = ooc_jit(mlp_step, budget=2**62).plan(PARAMS, X).baseline_peak_bytes
-    step = ooc_jit(mlp_step, budget=int(in_core * 0.35), min_offload_bytes=4 * KiB)
+    step = ooc_jit(mlp_step, budget=int(in_core * 0.35), min_offload_bytes=4 * KiB, recompute="off")
     plan = step.plan(HOST_PARAMS, HOST_X)
     assert len(plan.attempts) > 1 and plan.attempts[0] > plan.budget_bytes
     assert plan.executed_peak_bytes == plan.attempts[-1] <= plan.budget_bytes
