@@ -33,6 +33,7 @@ __all__ = [
     "scope_path",
     "source_line",
     "sub_jaxprs",
+    "unrolled_threefry",
     "wait_p",
 ]
 
@@ -71,6 +72,31 @@ wait_p = Primitive("ooc_wait")
 wait_p.def_impl(lambda x: x.block_until_ready())
 wait_p.def_abstract_eval(lambda aval: aval)
 mlir.register_lowering(wait_p, lambda ctx, x: [x])
+
+
+@contextlib.contextmanager
+def unrolled_threefry() -> Iterator[None]:
+    """Lowers Threefry's rounds unrolled on the CPU too, while the block runs.
+
+    jax lowers them as a loop on the CPU, which XLA:CPU compiles slowly: measured on this project's
+    2-core machine, a program with one dropout mask of 16x32x64 compiled in 0.55 s of CPU time
+    with the loop and 0.057 s unrolled, and ran in 357 against 149 us; the bits are the same (the
+    rounds are integer arithmetic). Every program that makes random bits pays that compile, and a
+    chain of segments has several such programs where ``jax.jit`` has one. Lowering is done on
+    the calling thread, so only what the block lowers is affected. Where jax's internals have
+    moved, nothing changes."""
+    try:
+        from jax._src.random import threefry2x32 as threefry
+
+        rolled, unrolled = threefry._threefry2x32_cpu_lowering_rule, threefry._threefry2x32_lowering_rule
+    except (ImportError, AttributeError):
+        yield
+        return
+    mlir.register_lowering(threefry.threefry2x32_p, unrolled, platform="cpu")
+    try:
+        yield
+    finally:
+        mlir.register_lowering(threefry.threefry2x32_p, rolled, platform="cpu")
 
 
 def nbytes(aval: Any) -> int:

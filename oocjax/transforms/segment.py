@@ -198,10 +198,10 @@ def compile_segments(
     """One compiled program per segment; segments with the same jaxpr and donation share one, also
     with the programs in ``cache`` (from an earlier plan of the same step), which gains the new
     ones. Distinct programs compile in parallel threads, each as soon as it is lowered (XLA
-    releases the GIL while it compiles)."""
+    releases the GIL while it compiles); random bits are lowered unrolled (``jc.unrolled_threefry``)."""
     cache = {} if cache is None else cache
     keys, compiling = [], {}
-    with warnings.catch_warnings(), ThreadPoolExecutor() as pool:
+    with warnings.catch_warnings(), ThreadPoolExecutor() as pool, jc.unrolled_threefry():
         # A donated argument no output can reuse is still freed after the segment: not worth a warning.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         for segment, function in zip(segments, functions, strict=True):
