@@ -68,7 +68,7 @@ def default_profile(device: Any = None) -> DeviceProfile:
     """The published profile that best describes ``device`` (default: the first device):
     ``PROFILES["cpu"]`` on a CPU, the matching NVIDIA part by its device kind, else
     ``DEFAULT_PROFILE``."""
-    device = jax.devices()[0] if device is None else device
+    device = jax.local_devices()[0] if device is None else device
     if device.platform == "cpu":
         return PROFILES["cpu"]
     kind = device.device_kind.upper()
@@ -100,7 +100,7 @@ def measure_profile(device: Any = None, *, budget_s: float = 1.0, refresh: bool 
     >>> profile.flops_per_s > 0 and profile.h2d_latency_s >= 0 and measure_profile() is profile
     True
     """
-    device = jax.devices()[0] if device is None else device
+    device = jax.local_devices()[0] if device is None else device
     key = (device.platform, device.device_kind)
     if key in _MEASURED and not refresh:
         return _MEASURED[key]
