@@ -233,9 +233,41 @@ def _probe_argument(x: Any) -> Any:
 
 
 def per_device_sizes(program: Program, flat: FlatProgram, layout: Layout) -> Program:
-    """``program`` with every buffer sized as what it costs one device under ``layout``."""
+    """``program`` with every buffer sized as what it costs one device under ``layout``, and the
+    collectives' scratch (``collective_scratch``) added to their steps'."""
     buffers = tuple(
         dataclasses.replace(buffer, nbytes=shard_bytes(flat.avals[b], layout.shardings[b]))
         for b, buffer in enumerate(program.buffers)
     )
-    return Program(steps=program.steps, buffers=buffers)
+    steps = tuple(
+        dataclasses.replace(step, transient_bytes=step.transient_bytes + extra)
+        if (extra := collective_scratch(fe, flat, layout))
+        else step
+        for step, fe in zip(program.steps, flat.equations, strict=True)
+    )
+    return Program(steps=steps, buffers=buffers)
+
+
+def collective_scratch(fe: Any, flat: FlatProgram, layout: Layout) -> int:
+    """What a contraction over sharded dimensions may hold beyond its shards on each device.
+
+    When a ``dot_general`` contracts a dimension that is sharded, XLA gathers an operand whole
+    (FSDP's weights, sharded on their first dimension) or computes the whole result as partial sums
+    before it reduces and scatters it. Neither value is in the jaxpr, so the plan reserves, as the
+    step's scratch, the whole operands and result less the shards it already counts (an upper bound).
+    """
+    eqn = fe.eqn
+    if eqn.primitive.name != "dot_general":
+        return 0
+    contracting, _ = eqn.params["dimension_numbers"]  # (lhs, rhs) contracting dimensions, then batch
+    operands = [r for r in fe.inputs[:2] if isinstance(r, int)]
+    sharded = False
+    for r, dims in zip(fe.inputs[:2], contracting):
+        sharding = layout.shardings[r] if isinstance(r, int) else None
+        if isinstance(sharding, NamedSharding):
+            spec = (*sharding.spec, *(None,) * len(flat.avals[r].shape))
+            sharded |= any(spec[d] is not None for d in dims)
+    if not sharded:
+        return 0
+    values = [*operands, *fe.outputs]
+    return sum(jc.nbytes(flat.avals[b]) - shard_bytes(flat.avals[b], layout.shardings[b]) for b in values)
