@@ -202,10 +202,12 @@ class Plan:
         executed = "" if self.executed_peak_bytes is None else f", executed {format_bytes(self.executed_peak_bytes)}"
         on_host = f", {counted(len(self.host_inputs), 'argument')} kept on host" if self.host_inputs else ""
         recomputed = f", {counted(len(self.recomputed), 'value')} recomputed" if self.recomputed else ""
+        mesh = f", per device on {self.mesh}" if self.mesh else ""
         return (
             f"Plan(peak={format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}{executed}, "
             f"in-core {format_bytes(self.baseline_peak_bytes)}, {counted(len(self.segments), 'segment')}, "
-            f"{counted(len(self.offloads), 'offload')}{on_host}{recomputed}, {format_bytes(self.moved_bytes)} moved)"
+            f"{counted(len(self.offloads), 'offload')}{on_host}{recomputed}, "
+            f"{format_bytes(self.moved_bytes)} moved{mesh})"
         )
 
     # -- views (oocjax.render, oocjax.plotting) ------------------------------------------------

@@ -176,7 +176,8 @@ def run(layout: str) -> dict:
             peak_bytes=plan.peak_bytes,
             executed_peak_bytes=plan.executed_peak_bytes,
             mesh=plan.mesh,
-            summary_first_line=str(plan).splitlines()[0],
+            summary_first_line=plan.summary().splitlines()[0],
+            repr=repr(plan),
             launches=len(samples),
             worst_launch=max((h + c for h, c in samples), default=0),
             exact=exact,
@@ -195,6 +196,14 @@ def run(layout: str) -> dict:
         jitted(copied(state), replicated)
         plans = [p.built.plan for p in jitted._planners.values()]
         report["layouts"] = dict(traces=len(jitted._traces), plans=len(plans), distinct=plans[0] is not plans[1])
+        # Leaves on two meshes: refused, never gathered.
+        other = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+        elsewhere = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(other, P())), batch)
+        try:
+            jitted(copied(state), elsewhere)
+            report["two_meshes"] = "no error"
+        except Exception as error:
+            report["two_meshes"] = f"{type(error).__name__}: {error}"
     return report
 
 
