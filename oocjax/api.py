@@ -29,7 +29,8 @@ from oocjax.pipeline import MAX_RUNTIME_REPLANS, PlannerOptions, StepPlanner
 from oocjax.plan import Plan
 from oocjax.schedule import format_bytes
 from oocjax.transforms.execute import segment_specs
-from oocjax.transforms.memories import memory_kind, sharding
+from oocjax.transforms.memories import layout, memory_kind, sharding
+from oocjax.transforms.shardings import array_shard_bytes
 from oocjax.transforms.trace import TracedStep, trace_arguments
 
 __all__ = ["MAX_RUNTIME_REPLANS", "OocJitted", "Plan", "ooc_jit", "to_device", "to_host"]
@@ -65,7 +66,8 @@ def ooc_jit(
 
     Args:
       fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``.
-      budget: device bytes the step may use: an int, a string with units (``"512MiB"``,
+      budget: device bytes the step may use, on each device (for a step on a mesh: what each
+        device may hold of its shards): an int, a string with units (``"512MiB"``,
         ``"1.5GB"``, ``"12GiB"``), or a fraction of the device's memory (``0.8``, ``"0.8"`` or
         ``"80%"``) where the device reports its size.
       static_argnums, static_argnames, donate_argnums: as for ``jax.jit``. Donate the training
@@ -98,7 +100,7 @@ def ooc_jit(
     >>> float(step(jnp.ones(4)))
     8.0
     """
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # in a multi-process run, jax.devices()[0] may be another process's
     budget_bytes = resolve_budget(budget, device)
     options = PlannerOptions.read(planner_options, device.platform, budget_bytes)
     settings = dict(budget_bytes=budget_bytes, options=options)
@@ -159,7 +161,11 @@ class OocJitted:
             results = self._jitted(*args, **kwargs)
             _delete_unreturned(donated, jax.tree.leaves(results))
             return results
-        moved = [_to_memory(x, kind) for x, kind in zip(leaves, built.input_kinds)]
+        if traced.layout is None:
+            moved = [_to_memory(x, kind) for x, kind in zip(leaves, built.input_kinds)]
+        else:  # compiled segments do not reshard: every argument goes exactly where they expect it
+            targets = traced.layout.shardings
+            moved = [_to_memory(x, kind, target) for x, kind, target in zip(leaves, built.input_kinds, targets)]
         copies = [leaf is not original for original, leaf in zip(leaves, moved)]
         deleted = _delete_donated_originals(leaves, copies, traced.donated)
         del leaves
@@ -299,7 +305,7 @@ def to_device(tree: Any) -> Any:
     'device'
     """
     on_host = [x for x in jax.tree.leaves(tree) if memory_kind(x) == "pinned_host"]
-    needed = sum(x.nbytes for x in on_host)
+    needed = sum(array_shard_bytes(x) for x in on_host)  # on each device: its shards
     free = _free_device_bytes()
     if free is not None and needed > free:
         raise OocError(
@@ -316,18 +322,30 @@ def to_device(tree: Any) -> Any:
 
 def _free_device_bytes() -> int | None:
     """What the device's allocator has left; None where the device does not say (a CPU)."""
-    stats = jax.devices()[0].memory_stats()
+    stats = jax.local_devices()[0].memory_stats()
     if not stats or "bytes_limit" not in stats:
         return None
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def _device_if_on_host(x: Any) -> Any:
-    return jax.device_put(x, sharding("device")) if memory_kind(x) == "pinned_host" else x
+    """``x`` in device memory, in its own layout (never gathered onto one device)."""
+    return jax.device_put(x, x.sharding.with_memory_kind("device")) if memory_kind(x) == "pinned_host" else x
 
 
-def _to_memory(x: Any, kind: str) -> Any:
-    """Moves an argument to the memory the plan expects it in, if it is elsewhere."""
-    if memory_kind(x) == kind:
+def _to_memory(x: Any, kind: str, target: Any = None) -> Any:
+    """Moves an argument to the memory the plan expects it in, if it is elsewhere; with a
+    ``target`` sharding (a step on a mesh), also to that layout, if it is in another."""
+    if target is None:
+        if memory_kind(x) == kind:
+            return x
+        placed = layout(x)
+        return jax.device_put(x, sharding(kind) if placed is None else placed.with_memory_kind(kind))
+    target, current = target.with_memory_kind(kind), getattr(x, "sharding", None)
+    if isinstance(x, jax.Array) and current.is_equivalent_to(target, x.ndim):
         return x
-    return jax.device_put(x, sharding(kind))
+    if isinstance(x, jax.Array) and len(current.device_set) == 1 < len(target.device_set):
+        # A replicated copy of a one-device array keeps the original's buffer as one of its shards,
+        # even with may_alias=False (jax 0.10.2): deleting a donated original would delete that shard.
+        x = x.copy()
+    return jax.device_put(x, target)

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from oocjax.transforms.memories import abstract, spec
+from oocjax.transforms.memories import abstract, layout, spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,8 @@ class ArgumentSpec:
 
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
         """What a compiled step is cached under: static values (by name where the function names
-        them, so ``f(x, 3)`` and ``f(x, n=3)`` share one plan), the dynamic tree and its types."""
+        them, so ``f(x, 3)`` and ``f(x, n=3)`` share one plan), the dynamic tree, its types and,
+        for leaves placed on several devices, their layouts (another layout, another plan)."""
         names = self.parameters
         statics = {names[i] if i < len(names) else i: args[i] for i in self.static_argnums if i < len(args)}
         statics |= {k: v for k, v in kwargs.items() if k in self.static_argnames}
@@ -59,7 +60,7 @@ class ArgumentSpec:
             ) from None
         leaves, tree = jax.tree.flatten(self.dynamic(args, kwargs))  # every call: no paths unless needed
         try:
-            return key, tree, tuple(abstract(x) for x in leaves)
+            return key, tree, tuple(abstract(x) for x in leaves), tuple(layout(x) for x in leaves)
         except TypeError:
             self._refuse_non_array(args, kwargs)
             raise

@@ -38,6 +38,7 @@ from oocjax.transforms.execute import ChainExecutor
 from oocjax.transforms.layers import layer_runs
 from oocjax.transforms.recompute import apply_rewrite, recomputable_steps
 from oocjax.transforms.segment import build_chain, chain_function, chain_jaxpr, compile_segments, segment_functions
+from oocjax.transforms.shardings import Layout
 from oocjax.transforms.trace import TracedStep
 
 MAX_REPLANS = 4  # closed loop on the budget: re-plans after the compiled segments came out too large
@@ -207,6 +208,8 @@ class StepPlanner:
         name = plan_cache.key(
             str(traced.jaxpr), traced.donated, self.held_by_caller, budget, options, options.recompute
         )
+        if traced.layout is not None:
+            name = None  # the stored entries do not record shardings yet: a mesh's step is planned anew
         entry = plan_cache.load(name)
         if entry is not None:
             programs = [plan_cache.deserialize(p) for p in entry.pop("executables")]
@@ -230,6 +233,7 @@ class StepPlanner:
         choice = _choose(self.program, traced.flat, budget, options)
         program, schedule, rewrite = choice.program, choice.schedule, choice.rewrite
         flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
+        layout = _layout(traced, rewrite)
         layers = layer_runs(flat)
         history, worst_text, halved = [], "", set()
         while True:
@@ -244,8 +248,8 @@ class StepPlanner:
             segments = cut_segments(program, schedule, budget_bytes=budget.planned_bytes, **cuts)
             _refuse_invalid("chain of segments", check_segments(program, schedule, segments))
             _refuse_tokens_between(segments, flat.avals)
-            functions = tuple(segment_functions(flat, segments, _labels(program)))
-            programs, costs = compile_segments(flat, segments, functions, self.compiled)
+            functions = tuple(segment_functions(flat, segments, _labels(program), layout))
+            programs, costs = compile_segments(flat, segments, functions, self.compiled, layout)
             peak, worst = executed_peak(segments, costs)
             history.append((budget.planned_bytes, peak))
             if peak <= budget.planned_bytes:
@@ -295,14 +299,22 @@ class StepPlanner:
         rewrite = choice.rewrite
         flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
         labels = _labels(program)
-        functions = functions or tuple(segment_functions(flat, segments, labels))
+        layout = _layout(traced, rewrite)
+        functions = functions or tuple(segment_functions(flat, segments, labels, layout))
         measured = dict(segments=segments, segment_costs=costs, executed_peak_bytes=peak)
         shown = functools.partial(
             chain_jaxpr, chain_function(flat, schedule, segments, functions, labels), flat, described["input_kinds"]
         )
         plan = Plan.build(program=program, jaxpr=shown, attempts=attempts, **measured, **described)
-        chain = build_chain(flat, schedule, segments, programs, costs, labels)
+        chain = build_chain(flat, schedule, segments, programs, costs, labels, layout)
         return BuiltStep(plan, ChainExecutor(chain, budget.planned_bytes, functions), functions, tuple(programs))
+
+
+def _layout(traced: TracedStep, rewrite: Any) -> Layout | None:
+    """The shardings of the flat program a plan runs (a recomputed copy lives as its original)."""
+    if traced.layout is None or not rewrite.recomputed:
+        return traced.layout
+    return traced.layout.for_rewrite(rewrite.origin_buffer)
 
 
 def _labels(program: Program) -> list[str]:
@@ -317,7 +329,7 @@ _MERGES_COPIES = {"cpu": True}
 
 
 def _platform() -> str:
-    return jax.devices()[0].platform
+    return jax.local_devices()[0].platform
 
 
 def _copies(flat: FlatProgram) -> tuple[tuple[int, int], ...]:
@@ -339,7 +351,8 @@ def _description(traced: TracedStep, choice: HybridPlan, schedule: Schedule, bud
         swap_only_time_s=choice.swap_only_time_s,
         loops=traced.flat.loops,
         input_kinds=kinds,
-        device=jax.devices()[0].device_kind,
+        device=jax.local_devices()[0].device_kind,
+        mesh="" if traced.layout is None else traced.layout.mesh,
     )
 
 

@@ -94,6 +94,8 @@ class Plan:
         it runs one iteration at a time or whole, as one operation).
       device: the device the step was planned and compiled for (``"cpu"``, ``"NVIDIA H200"``);
         empty for a plan built by hand.
+      mesh: on several devices, the mesh (``"8 devices, mesh data=2 model=4"``): the budget and
+        every byte figure are then per device. Empty on one device.
       recomputed: the values recomputed instead of kept or moved (``RecomputeInfo``); then
         ``program`` holds the copies of their producing equations.
       extra_flops: the work those copies add to the step.
@@ -122,6 +124,7 @@ class Plan:
     headroom_bytes: int = 0
     loops: tuple[Any, ...] = ()
     device: str = ""
+    mesh: str = ""  # on several devices: "8 devices, mesh data=8" (every byte figure is per device)
     recomputed: tuple[RecomputeInfo, ...] = ()
     extra_flops: int = 0
     step_time_s: float | None = None
@@ -199,10 +202,12 @@ class Plan:
         executed = "" if self.executed_peak_bytes is None else f", executed {format_bytes(self.executed_peak_bytes)}"
         on_host = f", {counted(len(self.host_inputs), 'argument')} kept on host" if self.host_inputs else ""
         recomputed = f", {counted(len(self.recomputed), 'value')} recomputed" if self.recomputed else ""
+        mesh = f", per device on {self.mesh}" if self.mesh else ""
         return (
             f"Plan(peak={format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}{executed}, "
             f"in-core {format_bytes(self.baseline_peak_bytes)}, {counted(len(self.segments), 'segment')}, "
-            f"{counted(len(self.offloads), 'offload')}{on_host}{recomputed}, {format_bytes(self.moved_bytes)} moved)"
+            f"{counted(len(self.offloads), 'offload')}{on_host}{recomputed}, "
+            f"{format_bytes(self.moved_bytes)} moved{mesh})"
         )
 
     # -- views (oocjax.render, oocjax.plotting) ------------------------------------------------

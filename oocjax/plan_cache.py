@@ -39,7 +39,7 @@ def key(*parts: Any) -> str | None:
     None when caching is off or a part cannot be keyed (a function)."""
     if directory() is None or any(callable(p) for p in parts):
         return None
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]
     seen = (FORMAT, _source_digest(), jax.__version__, jaxlib.__version__, device.platform, device.device_kind, parts)
     return hashlib.sha256(repr(seen).encode()).hexdigest()
 

@@ -23,6 +23,7 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
     saved = {
         "format": FORMAT,
         "device": plan.device,
+        "mesh": plan.mesh,
         "budget_bytes": plan.budget_bytes,
         "peak_bytes": plan.peak_bytes,
         "executed_peak_bytes": plan.executed_peak_bytes,
@@ -71,6 +72,7 @@ def loads(text: str) -> Plan:
         executed_peak_bytes=data.get("executed_peak_bytes"),
         attempts=tuple(data.get("attempts", ())),
         device=data.get("device", ""),
+        mesh=data.get("mesh", ""),
         step_time_s=data.get("step_time_s"),
         swap_only_time_s=data.get("swap_only_time_s"),
         segments=tuple(_read_segment(segment) for segment in data.get("chain", ())),

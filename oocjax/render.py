@@ -27,6 +27,7 @@ HOST_STATE_HINT = (
 def summary(plan: Plan, profile: DeviceProfile | str | None = None, *, largest: int = 10) -> str:
     """The plan as a text report: memory, traffic, the largest moves, and the timed simulation."""
     device = f" for {plan.device}" if plan.device else ""
+    device += f" ({plan.mesh}, bytes per device)" if plan.mesh else ""
     lines = [f"oocjax plan{device} ({plan.schedule.strategy}, {len(plan.program.steps)} equations)"]
     lines += [f"  {name:<13} {value}" for name, value in _summary_rows(plan)]
     lines += _largest_moves(plan, largest)

@@ -190,10 +190,19 @@ def test_an_unknown_planner_option_is_refused():
 
 
 def test_an_unknown_higher_order_primitive_is_refused_with_its_name_and_line():
+    def solve(b):
+        return jax.lax.custom_linear_solve(lambda x: 2 * x, b, lambda matvec, v: v / 2)
+
+    with pytest.raises(UnsupportedPrimitiveError, match=r"'custom_linear_solve' \(at test_ooc_jit\.py:\d+"):
+        ooc_jit(lambda a: solve(a) + 1, budget="1GiB").plan(jnp.ones(4))
+
+
+def test_a_shard_map_call_runs_whole_as_one_step():
     mesh = jax.make_mesh((1,), ("x",))
     doubled = jax.shard_map(lambda a: a * 2, mesh=mesh, in_specs=jax.P(), out_specs=jax.P())
-    with pytest.raises(UnsupportedPrimitiveError, match=r"'shard_map' \(at test_ooc_jit\.py:\d+"):
-        ooc_jit(lambda a: doubled(a) + 1, budget="1GiB").plan(jnp.ones(4))
+    step = ooc_jit(lambda a: doubled(a) + 1, budget="1GiB")
+    assert [s.name for s in step.plan(jnp.ones(4)).program.steps] == ["shard_map", "add"]
+    assert float(step(jnp.ones(4)).sum()) == 12.0
 
 
 def test_state_kept_on_host_comes_back_on_host_and_is_not_moved_again():

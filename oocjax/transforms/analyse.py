@@ -367,6 +367,9 @@ primitive_rules: dict[str, PrimitiveRule] = {
     jc.remat_p.name: PrimitiveRule(inline_param="jaxpr"),
     jc.custom_jvp_call_p.name: PrimitiveRule(body_params=("call_jaxpr",)),
     jc.custom_vjp_call_p.name: PrimitiveRule(body_params=("call_jaxpr",)),
+    # A shard_map call runs whole, its body's per-device peak as its scratch: the body's avals are
+    # already one device's (``transforms.shardings`` sizes its outputs from ``out_specs``).
+    "shard_map": PrimitiveRule(body_params=("jaxpr",)),
     "dot_general": PrimitiveRule(flops=_dot_general_flops),
     "conv_general_dilated": PrimitiveRule(flops=_conv_flops),
     # Their jaxpr params are scalar combiners (how to add two elements), not calls: they need no

@@ -16,6 +16,7 @@ process; sizes grow with the device (a few milliseconds of work per timed call o
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -26,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from oocjax.schedule.cost import DEFAULT_PROFILE, PROFILES, DeviceProfile
 from oocjax.schedule.segments import Segment
@@ -68,7 +70,7 @@ def default_profile(device: Any = None) -> DeviceProfile:
     """The published profile that best describes ``device`` (default: the first device):
     ``PROFILES["cpu"]`` on a CPU, the matching NVIDIA part by its device kind, else
     ``DEFAULT_PROFILE``."""
-    device = jax.devices()[0] if device is None else device
+    device = jax.local_devices()[0] if device is None else device
     if device.platform == "cpu":
         return PROFILES["cpu"]
     kind = device.device_kind.upper()
@@ -100,17 +102,22 @@ def measure_profile(device: Any = None, *, budget_s: float = 1.0, refresh: bool 
     >>> profile.flops_per_s > 0 and profile.h2d_latency_s >= 0 and measure_profile() is profile
     True
     """
-    device = jax.devices()[0] if device is None else device
+    device = jax.local_devices()[0] if device is None else device
     key = (device.platform, device.device_kind)
     if key in _MEASURED and not refresh:
         return _MEASURED[key]
     sizes, share = ProbeSizes.for_device(device), budget_s / 4
-    d2h, h2d = _link_fits(device, sizes.copy_bytes, share)
+    # One device's rates, measured on that device alone: a mesh the caller set (jax.set_mesh) would
+    # refuse these one-device arrays.
+    with _on_device_alone(device):
+        d2h, h2d = _link_fits(device, sizes.copy_bytes, share)
+        flops_per_s = _matmul_rate(device, sizes.matmul_n, share)
+        hbm_bytes_per_s = _memory_rate(device, sizes.elementwise_bytes, share)
     measured = replace(
         default_profile(device),
         name=f"measured {device.device_kind}",
-        flops_per_s=_matmul_rate(device, sizes.matmul_n, share),
-        hbm_bytes_per_s=_memory_rate(device, sizes.elementwise_bytes, share),
+        flops_per_s=flops_per_s,
+        hbm_bytes_per_s=hbm_bytes_per_s,
         h2d_bytes_per_s=h2d.bytes_per_s,
         d2h_bytes_per_s=d2h.bytes_per_s,
         copy_latency_s=(h2d.latency_s + d2h.latency_s) / 2,
@@ -120,6 +127,14 @@ def measure_profile(device: Any = None, *, budget_s: float = 1.0, refresh: bool 
     )
     _MEASURED[key] = measured
     return measured
+
+
+def _on_device_alone(device: Any) -> Any:
+    """A context without the caller's mesh (``jax.set_mesh``), where one-device arrays compute."""
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or mesh.empty:
+        return contextlib.nullcontext()
+    return jax.set_mesh(jax.sharding.Mesh(np.array([device]), ("device",)))
 
 
 def _best_seconds(call: Callable[[], Any], budget_s: float, *, least: int = 2, most: int = 20) -> float:

@@ -41,6 +41,7 @@ from oocjax.schedule.segments import SegmentCost
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.memories import memory_kind, sharding, spec
 from oocjax.transforms.segment import Chain, SegmentRun
+from oocjax.transforms.shardings import array_shard_bytes
 
 ALLOCATOR_GATE = True  # also wait on the allocator's bytes in use, where the device reports them
 
@@ -241,7 +242,12 @@ def _probe(values: Sequence[Any]) -> Any:
 
 
 def _device_bytes(x: Any) -> int:
-    return x.nbytes if memory_kind(x) == "device" else 0
+    """What ``x`` costs each device it is on (a sharded array: its shard), if in device memory."""
+    return array_shard_bytes(x) if memory_kind(x) == "device" else 0
+
+
+def _in_host(x: Any) -> Any:
+    return x.sharding.with_memory_kind("pinned_host")
 
 
 def _finished(probe: Any) -> bool:
@@ -323,8 +329,10 @@ class ChainExecutor:
                     slots[slot].block_until_ready()
         if run.prefetches:
             memory.make_room(run.prefetch_bytes)
+            # On a mesh, each value comes back in its own layout, as the segment was compiled for it.
+            target = self.device if self.chain.shardings is None else [self.chain.shardings[b] for b in run.prefetches]
             with jax.profiler.TraceAnnotation(run.names[1]):
-                copies = jax.device_put([slots[b + host_offset] for b in run.prefetches], self.device)
+                copies = jax.device_put([slots[b + host_offset] for b in run.prefetches], target)
             for b, x in zip(run.prefetches, copies):
                 slots[b] = x
                 memory.hold(x, slot_bytes[b], owned=True)
@@ -344,8 +352,12 @@ class ChainExecutor:
         memory.release(dying, probe=_probe(outputs), extra_bytes=run.cost.temp_bytes - run.cost.alias_bytes)
         del dying, outputs
         if run.offloads:
+            leaving = [slots[b] for b in run.offloads]
+            # On a mesh, each shard is copied to its own device's host memory: the layout stays.
+            target = self.host if self.chain.shardings is None else [_in_host(x) for x in leaving]
             with jax.profiler.TraceAnnotation(run.names[2]):
-                copies = jax.device_put([slots[b] for b in run.offloads], self.host)
+                copies = jax.device_put(leaving, target)
+            del leaving
             for b, copy, last in zip(run.offloads, copies, run.dropped_after_offload):
                 slots[b + host_offset] = copy
                 if last:

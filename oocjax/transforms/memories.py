@@ -1,4 +1,5 @@
-"""Memory kinds on the one device oocjax plans for: ``"device"`` and ``"pinned_host"``."""
+"""Memory kinds, ``"device"`` and ``"pinned_host"``: of this process's first device, or, for a value
+placed on several devices (a mesh), of those devices in the same layout."""
 
 from __future__ import annotations
 
@@ -10,8 +11,18 @@ import jax
 
 @functools.cache
 def sharding(kind: str) -> jax.sharding.Sharding:
-    """The first device's memory of this kind."""
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=kind)
+    """The first local device's memory of this kind (in a multi-process run, ``jax.devices()[0]``
+    may belong to another process)."""
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0], memory_kind=kind)
+
+
+def layout(x: Any) -> jax.sharding.Sharding | None:
+    """The sharding of an array or ``ShapeDtypeStruct`` placed on several devices, in device memory
+    (its layout, whatever memory it is in); None for anything on one device or not placed."""
+    placed = getattr(x, "sharding", None) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
+    if placed is None or len(placed.device_set) <= 1:
+        return None
+    return placed.with_memory_kind("device")
 
 
 def memory_kind(x: Any) -> str | None:
@@ -28,6 +39,9 @@ def abstract(x: Any) -> tuple:
 
 
 def spec(x: Any, kind: str) -> jax.ShapeDtypeStruct:
-    """The type of ``x`` (as for ``abstract``), placed in ``kind``."""
+    """The type of ``x`` (as for ``abstract``), placed in ``kind``: on the first device, or, if
+    ``x`` is placed on several devices, in its own layout."""
     shape, dtype, weak_type = abstract(x)
-    return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type, sharding=sharding(kind))
+    placed = layout(x)
+    target = sharding(kind) if placed is None else placed.with_memory_kind(kind)
+    return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type, sharding=target)

@@ -12,6 +12,11 @@ and the offloads (``device_put`` to host memory); ``Plan.jaxpr`` shows it.
 
 Segments receive their constants as arguments, so that two segments of the same shape (repeated
 layers) have the same jaxpr and share one compiled program.
+
+On a mesh (a ``transforms.shardings.Layout``), every segment is compiled with each input's and
+output's sharding from the layout: compiled programs do not reshard their arguments, so every
+segment must receive exactly the layout the previous one produced, and the step's results come out
+as ``jax.jit``'s do.
 """
 
 from __future__ import annotations
@@ -31,16 +36,20 @@ from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatEquation, FlatProgram
 from oocjax.transforms.layers import LIFTED_LITERALS
 from oocjax.transforms.memories import sharding, spec
+from oocjax.transforms.shardings import Layout, shard_bytes
 
 Host = jax.memory.Space.Host
 Device = jax.memory.Space.Device
 
 
-def segment_functions(flat: FlatProgram, segments: Sequence[Segment], labels: Sequence[str] = ()) -> list[Callable]:
+def segment_functions(
+    flat: FlatProgram, segments: Sequence[Segment], labels: Sequence[str] = (), layout: Layout | None = None
+) -> list[Callable]:
     """Per segment, a jitted function of its inputs' device values, then its lifted literals'
     (``segment_literals``), returning its outputs. ``labels`` (per buffer) name recomputed values
-    in profiles: ``oocjax.recompute(<value>)``."""
-    return [_segment_function(flat, i, segment, labels) for i, segment in enumerate(segments)]
+    in profiles: ``oocjax.recompute(<value>)``. With a ``layout`` (a mesh), each input and output
+    has its buffer's sharding."""
+    return [_segment_function(flat, i, segment, labels, layout) for i, segment in enumerate(segments)]
 
 
 def segment_literals(flat: FlatProgram, segment: Segment) -> tuple[Any, ...]:
@@ -59,7 +68,9 @@ def _lifted(equations: Sequence[FlatEquation]) -> list[tuple[int, int, Any]]:
     ]
 
 
-def _segment_function(flat: FlatProgram, index: int, segment: Segment, labels: Sequence[str]) -> Callable:
+def _segment_function(
+    flat: FlatProgram, index: int, segment: Segment, labels: Sequence[str], layout: Layout | None = None
+) -> Callable:
     equations = flat.equations[segment.start : segment.stop]
     barriers = _copy_barriers(equations)
     lifted = [(position, j) for position, j, _ in _lifted(equations)]
@@ -84,8 +95,12 @@ def _segment_function(flat: FlatProgram, index: int, segment: Segment, labels: S
 
     run.__name__ = run.__qualname__ = f"segment_{index}"
     donated = tuple(i for i, b in enumerate(segment.inputs) if b in segment.donated)
-    device = sharding("device")
-    return jax.jit(run, donate_argnums=donated, in_shardings=device, out_shardings=device, keep_unused=True)
+    if layout is None:
+        device = sharding("device")
+        return jax.jit(run, donate_argnums=donated, in_shardings=device, out_shardings=device, keep_unused=True)
+    inputs = (*(layout.shardings[b] for b in segment.inputs), *(layout.replicated for _ in lifted))
+    outputs = tuple(layout.shardings[b] for b in segment.outputs)
+    return jax.jit(run, donate_argnums=donated, in_shardings=inputs, out_shardings=outputs, keep_unused=True)
 
 
 def _bind(fe: FlatEquation, invals: list[Any], labels: Sequence[str]) -> list[Any]:
@@ -186,16 +201,26 @@ def chain_jaxpr(chain: Callable, flat: FlatProgram, input_kinds: Sequence[str]) 
 # -- compiled programs --------------------------------------------------------------------------
 
 
-def segment_specs(flat: FlatProgram, segment: Segment) -> list[jax.ShapeDtypeStruct]:
-    """The segment's arguments' types, on the device: its inputs', then its lifted literals'."""
+def segment_specs(flat: FlatProgram, segment: Segment, layout: Layout | None = None) -> list[jax.ShapeDtypeStruct]:
+    """The segment's arguments' types, on the device: its inputs', then its lifted literals'
+    (with a ``layout``: each with its sharding, the literals replicated)."""
     literals = segment_literals(flat, segment)
-    return [spec(flat.avals[b], "device") for b in segment.inputs] + [spec(x, "device") for x in literals]
+    if layout is None:
+        return [spec(flat.avals[b], "device") for b in segment.inputs] + [spec(x, "device") for x in literals]
+    placed = [(flat.avals[b], layout.shardings[b]) for b in segment.inputs]
+    placed += [(jax.typeof(x), layout.replicated) for x in literals]
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=s) for a, s in placed]
 
 
 def compile_segments(
-    flat: FlatProgram, segments: Sequence[Segment], functions: Sequence[Callable], cache: dict | None = None
+    flat: FlatProgram,
+    segments: Sequence[Segment],
+    functions: Sequence[Callable],
+    cache: dict | None = None,
+    layout: Layout | None = None,
 ) -> tuple[list[Any], list[SegmentCost]]:
-    """One compiled program per segment; segments with the same jaxpr and donation share one, also
+    """One compiled program per segment; segments with the same jaxpr, donation and (on a mesh,
+    ``layout``) input and output shardings share one, also
     with the programs in ``cache`` (from an earlier plan of the same step), which gains the new
     ones. Distinct programs compile in parallel threads, each as soon as it is lowered (XLA
     releases the GIL while it compiles); random bits are lowered unrolled (``jc.unrolled_threefry``)."""
@@ -205,11 +230,13 @@ def compile_segments(
         # A donated argument no output can reuse is still freed after the segment: not worth a warning.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         for segment, function in zip(segments, functions, strict=True):
-            traced = function.trace(*segment_specs(flat, segment))
+            traced = function.trace(*segment_specs(flat, segment, layout))
             body = traced.jaxpr
             # The printed jaxpr holds every shape, primitive, parameter and literal; constants are
             # not printed, so their identities are part of the key.
             key = (str(body.jaxpr), tuple(map(id, body.consts)), _donated(segment))
+            if layout is not None:  # the same jaxpr on other layouts is another program
+                key += (tuple(layout.shardings[b] for b in (*segment.inputs, -1, *segment.outputs) if b >= 0),)
             if key not in cache and key not in compiling:
                 # Compiled while the next segments are traced and lowered (Python, holding the GIL).
                 compiling[key] = pool.submit(traced.lower().compile)
@@ -276,7 +303,8 @@ class Chain:
     argument_slots: tuple[int, ...]
     constants: tuple[tuple[int, Any], ...]  # (slot, value)
     results: tuple[Any, ...]  # per result of the step: its slot, or a ``Literal``
-    slot_bytes: tuple[int, ...]  # per slot, the device bytes of its value (0 for host slots)
+    slot_bytes: tuple[int, ...]  # per slot, the device bytes of its value, per device (0 for host slots)
+    shardings: tuple[Any, ...] | None = None  # on a mesh: per buffer, its device sharding
 
     @property
     def num_slots(self) -> int:
@@ -290,9 +318,11 @@ def build_chain(
     programs: Sequence[Any],
     costs: Sequence[SegmentCost],
     labels: Sequence[str] = (),
+    layout: Layout | None = None,
 ) -> Chain:
     """The records the executor runs: ``chain_function``'s order of waits, prefetches, launches and
-    offloads, with every slot's last use found once here rather than per call."""
+    offloads, with every slot's last use found once here rather than per call. With a ``layout``
+    (a mesh), sizes are per device, and constants and literals are placed on every device."""
     host = len(flat.avals)
     results = tuple(
         r if isinstance(r, jc.Literal) else r + host if r in schedule.host_outputs else r for r in flat.outputs
@@ -302,7 +332,16 @@ def build_chain(
     def name(what: str, buffers: Sequence[int]) -> str:
         return f"oocjax.{what}({', '.join(labels[b] if b < len(labels) else f'buffer {b}' for b in buffers)})"
 
-    nbytes = [jc.nbytes(aval) for aval in flat.avals]
+    if layout is None:
+        nbytes = [jc.nbytes(aval) for aval in flat.avals]
+        constants, place = tuple(flat.constants), _on_device
+    else:
+        nbytes = [shard_bytes(aval, s) for aval, s in zip(flat.avals, layout.shardings, strict=True)]
+        constants = tuple((b, jax.device_put(x, layout.shardings[b])) for b, x in flat.constants)
+
+        def place(values: Sequence[Any]) -> tuple[Any, ...]:
+            return tuple(jax.device_put(x, layout.replicated) for x in values)
+
     runs = tuple(
         SegmentRun(
             index=i,
@@ -317,7 +356,7 @@ def build_chain(
             dropped_after_launch=tuple(b for b in dict.fromkeys(s.inputs) if b in last[2]),
             offloads=s.offloads,
             dropped_after_offload=tuple(b in last[3] for b in s.offloads),
-            literals=_on_device(segment_literals(flat, s)),
+            literals=place(segment_literals(flat, s)),
             prefetch_bytes=sum(nbytes[b] for b in s.prefetches),
             names=(name("wait", s.waits), name("prefetch", s.prefetches), name("offload", s.offloads)),
         )
@@ -327,9 +366,10 @@ def build_chain(
         runs=runs,
         host_offset=host,
         argument_slots=tuple(b + host if b in schedule.host_inputs else b for b in range(flat.num_inputs)),
-        constants=tuple(flat.constants),
+        constants=constants,
         results=results,
         slot_bytes=(*nbytes, *(0 for _ in nbytes)),
+        shardings=None if layout is None else layout.shardings,
     )
 
 

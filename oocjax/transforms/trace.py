@@ -16,6 +16,7 @@ from oocjax.arguments import ArgumentSpec
 from oocjax.schedule import Program
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatProgram, flatten, to_program
+from oocjax.transforms.shardings import Layout, check_one_mesh, is_sharded, per_device_sizes, step_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,8 @@ class TracedStep:
       program: the planner's model of it (sizes, lifetimes, labels, flops).
       out_tree: the structure of its results.
       donated: per flat argument, whether it is donated.
+      layout: on a mesh, every flat buffer's sharding (``program`` then sizes buffers per device);
+        None on one device.
     """
 
     jaxpr: jc.ClosedJaxpr
@@ -35,6 +38,7 @@ class TracedStep:
     program: Program
     out_tree: Any
     donated: tuple[bool, ...]
+    layout: Layout | None = None
 
 
 def trace_step(
@@ -57,6 +61,9 @@ def trace_step(
 
 def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict) -> TracedStep:
     """``trace_step`` for arguments already split by an ``ArgumentSpec``."""
+    paths_leaves = jax.tree_util.tree_flatten_with_path(spec.dynamic(args, kwargs))[0]
+    arguments = [x for _, x in paths_leaves]
+    check_one_mesh(arguments, [spec.label(path, len(args)) for path, _ in paths_leaves])
     spec_args, spec_kwargs = spec.device_specs(args, kwargs)
     traced = jax.jit(spec.fun, **spec.jit_kwargs).trace(*spec_args, **spec_kwargs)
     leaves = jax.tree_util.tree_flatten_with_path(traced.args_info)[0]
@@ -66,4 +73,7 @@ def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict) -> TracedStep
     output_labels = [f"result{jax.tree_util.keystr(path)}" for path, _ in results]
     flat = flatten(traced.jaxpr)
     program = to_program(flat, input_labels=labels, donated=donated, output_labels=output_labels)
-    return TracedStep(traced.jaxpr, flat, program, jax.tree.structure(traced.out_info), donated)
+    layout = step_layout(spec.fun, flat, arguments) if is_sharded(arguments, flat) else None
+    if layout is not None:
+        program = per_device_sizes(program, flat, layout)  # the budget is per device
+    return TracedStep(traced.jaxpr, flat, program, jax.tree.structure(traced.out_info), donated, layout)

@@ -1,0 +1,211 @@
+"""Sharded training steps run with ``ooc_jit`` on 8 virtual CPU devices, for ``tests/test_sharded.py``.
+
+Run as ``python -m tests.sharded_steps <layout>`` in a process whose ``XLA_FLAGS`` holds
+``--xla_force_host_platform_device_count=8`` (set before jax starts): it prints one JSON object
+of what it measured, and the parent test asserts on it. Layouts: ``LAYOUTS``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from math import prod
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from oocjax import ooc_jit
+from oocjax.transforms.execute import observe_segments
+
+LAYOUTS = ("data", "model", "fsdp", "explicit", "shard_map")
+FRACTIONS = (1.0, 0.6, 0.35)
+WIDTH, BATCH = 256, 64
+# FSDP gathers a whole weight for each product (and sums a whole weight gradient before scattering
+# it): per device, the sharded state must outweigh one layer's gathered weights for 35% of the
+# in-core estimate to be a budget the step can hold at all.
+DEPTHS = {"fsdp": 12}
+# Merged into one program, several products' gathers are live at once (XLA schedules them early),
+# which no per-step estimate sees: FSDP steps run one product per segment.
+OPTIONS = {"fsdp": dict(min_segment_flops=0)}
+FLOAT32_TOLERANCE = dict(atol=2e-5, rtol=1e-5)  # as tests/test_ooc_jit_reference.py
+optimizer = optax.adam(1e-2)
+
+
+def init(key, depth):
+    keys = jax.random.split(key, depth + 1)
+    params = {f"w{i}": jax.random.normal(keys[i], (WIDTH, WIDTH)) / WIDTH**0.5 for i in range(depth)}
+    params |= {f"b{i}": jnp.zeros((WIDTH,)) for i in range(depth)}
+    batch = {"x": jax.random.normal(keys[-1], (BATCH, WIDTH)), "y": jax.random.normal(keys[0], (BATCH, WIDTH))}
+    return params, batch
+
+
+def loss(params, batch):
+    h = batch["x"]
+    for i in range(len(params) // 2):
+        h = jnp.tanh(h @ params[f"w{i}"] + params[f"b{i}"])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def adam_step(state, grads):
+    params, opt_state = state
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def step(state, batch):
+    value, grads = jax.value_and_grad(loss)(state[0], batch)
+    return adam_step(state, grads), value
+
+
+def shard_map_step(mesh):
+    def local(params, batch):
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        return jax.lax.pmean(value, "data"), jax.lax.pmean(grads, "data")
+
+    gradients = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+
+    def step(state, batch):
+        value, grads = gradients(state[0], batch)
+        return adam_step(state, grads), value
+
+    return step
+
+
+def placed(layout: str):
+    """The step, its state and batch placed for ``layout``, and the mesh (set for ``explicit``)."""
+    auto = layout != "explicit"
+    types = AxisType.Auto if auto else AxisType.Explicit
+    shape, names = ((2, 4), ("data", "model")) if layout == "model" else ((8,), ("data",))
+    mesh = jax.make_mesh(shape, names, axis_types=(types,) * len(shape))
+    params, batch = init(jax.random.key(0), DEPTHS.get(layout, 4))
+
+    def param_spec(name, x):
+        if layout == "model":
+            return P(None, "model") if name.startswith("w") else P("model")
+        if layout == "fsdp":
+            return P("data")
+        return P()
+
+    params = {k: jax.device_put(v, NamedSharding(mesh, param_spec(k, v))) for k, v in params.items()}
+    batch = {k: jax.device_put(v, NamedSharding(mesh, P("data"))) for k, v in batch.items()}
+    if not auto:
+        jax.set_mesh(mesh)
+    state = (params, optimizer.init(params))
+    return (shard_map_step(mesh) if layout == "shard_map" else step), state, batch
+
+
+def copied(tree):
+    return jax.tree.map(lambda x: x.copy(), tree)
+
+
+def shard_bytes(x) -> int:
+    return prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+
+
+def per_device_at_each_launch(fn, state, batch):
+    """Calls ``fn(state, batch)``; at each segment launch, per device, the device bytes of live
+    arrays other than the caller's (counted from each sharding's devices and shard shape, never
+    from ``addressable_shards``, which makes arrays), and the launch's own bytes."""
+    arguments = {id(x) for x in jax.tree.leaves((state, batch))}
+    callers = {id(x) for x in jax.live_arrays()} - arguments
+    samples = []
+
+    def sample(launch):
+        held = defaultdict(int)
+        for x in jax.live_arrays():
+            if x.sharding.memory_kind == "device" and id(x) not in callers:
+                for device in x.sharding.device_set:
+                    held[device.id] += shard_bytes(x)
+        samples.append((max(held.values(), default=0), launch.cost.launch_bytes))
+
+    with observe_segments(sample):
+        result = fn(state, batch)
+    return result, samples
+
+
+def run(layout: str) -> dict:
+    fn, state, batch = placed(layout)
+    expected = jax.jit(fn)(copied(state), batch)
+    report: dict = {"layout": layout, "devices": len(jax.devices()), "fractions": {}}
+    in_core = ooc_jit(fn, budget=2**62, donate_argnums=0).plan(state, batch).baseline_peak_bytes
+    global_bytes = sum(x.nbytes for x in jax.tree.leaves((state, batch)))
+    report |= dict(in_core_bytes=in_core, argument_global_bytes=global_bytes)
+    for fraction in FRACTIONS:
+        budget = int(in_core * fraction)
+        jitted = ooc_jit(fn, budget=budget, donate_argnums=0, min_offload_bytes=4096, **OPTIONS.get(layout, {}))
+        try:
+            plan = jitted.plan(state, batch)
+        except Exception as error:
+            report["fractions"][str(fraction)] = dict(budget=budget, error=f"{type(error).__name__}: {error}")
+            continue
+        (result, samples) = per_device_at_each_launch(jitted, copied(state), batch)
+        leaves, wanted = jax.tree.leaves(result), jax.tree.leaves(expected)
+        exact = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, wanted))
+        close = all(np.allclose(np.asarray(a), np.asarray(b), **FLOAT32_TOLERANCE) for a, b in zip(leaves, wanted))
+        worst = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(leaves, wanted))
+        same_shardings = all(
+            a.sharding.with_memory_kind("device").is_equivalent_to(b.sharding.with_memory_kind("device"), a.ndim)
+            for a, b in zip(leaves, wanted)
+        )
+        # Planned per-device sizes against the real arrays: the arguments (as placed for the call)
+        # and every result the step computes.
+        traced = next(iter(jitted._traces.values()))
+        buffers = traced.program.buffers
+        arguments = jax.tree.leaves((state, batch))
+        sizes_ok = all(buffers[b].nbytes == shard_bytes(x) for b, x in enumerate(arguments))
+        outputs = traced.flat.outputs
+        sizes_ok &= all(
+            buffers[r].nbytes == shard_bytes(x)
+            for r, x in zip(outputs, leaves)
+            if isinstance(r, int) and r >= traced.flat.num_inputs
+        )
+        # A second call neither traces nor plans.
+        traces, planners = dict(jitted._traces), dict(jitted._planners)
+        jitted(copied(state), batch)
+        again = jitted._traces == traces and jitted._planners == planners
+        report["fractions"][str(fraction)] = dict(
+            budget=budget,
+            segments=len(plan.segments),
+            moved_bytes=plan.moved_bytes,
+            recomputed=len(plan.recomputed),
+            peak_bytes=plan.peak_bytes,
+            executed_peak_bytes=plan.executed_peak_bytes,
+            mesh=plan.mesh,
+            summary_first_line=plan.summary().splitlines()[0],
+            repr=repr(plan),
+            launches=len(samples),
+            worst_launch=max((h + c for h, c in samples), default=0),
+            exact=exact,
+            close=close,
+            max_abs_difference=worst,
+            same_shardings=same_shardings,
+            single_device_results=sum(len(x.sharding.device_set) == 1 for x in leaves),
+            result_kinds=sorted({x.sharding.memory_kind for x in leaves}),
+            sizes_match_shards=bool(sizes_ok),
+            second_call_reuses_plan=again,
+        )
+    if layout == "data":  # another layout of the same step: another signature, another plan
+        jitted = ooc_jit(fn, budget=int(in_core * 0.6), donate_argnums=0, min_offload_bytes=4096)
+        jitted(copied(state), batch)
+        replicated = jax.tree.map(lambda x: jax.device_put(x, x.sharding.update(spec=P())), batch)
+        jitted(copied(state), replicated)
+        plans = [p.built.plan for p in jitted._planners.values()]
+        report["layouts"] = dict(traces=len(jitted._traces), plans=len(plans), distinct=plans[0] is not plans[1])
+        # Leaves on two meshes: refused, never gathered.
+        other = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+        elsewhere = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(other, P())), batch)
+        try:
+            jitted(copied(state), elsewhere)
+            report["two_meshes"] = "no error"
+        except Exception as error:
+            report["two_meshes"] = f"{type(error).__name__}: {error}"
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1])))

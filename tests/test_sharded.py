@@ -1,0 +1,105 @@
+"""Steps on a mesh of 8 virtual CPU devices: the budget is per device, layouts go through the whole
+pipeline, and results match ``jax.jit``'s (SPMD.md).
+
+``XLA_FLAGS`` must hold the device count before jax starts, so each layout runs in its own process
+(``tests/sharded_steps.py``), which prints what it measured as JSON; the assertions are here. Each
+layout runs its step at 100%, 60% and 35% of its per-device in-core estimate.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["data", "model", "explicit", "shard_map"]
+LAYOUTS = [*FAST, pytest.param("fsdp", marks=pytest.mark.slow)]
+
+
+@functools.cache
+def measured(layout: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.sharded_steps", layout], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["devices"] == 8
+    return report
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_at_the_in_core_estimate_a_sharded_step_is_jax_jits_program_bitwise(layout):
+    run = measured(layout)["fractions"]["1.0"]
+    assert run["segments"] == 0 and run["moved_bytes"] == 0
+    assert run["exact"] and run["same_shardings"] and run["single_device_results"] == 0
+    assert run["sizes_match_shards"] and run["second_call_reuses_plan"]
+
+
+def _below(layout: str, fraction: str) -> dict:
+    report = measured(layout)
+    run = report["fractions"][fraction]
+    assert "error" not in run, run["error"]
+    return run
+
+
+@pytest.mark.parametrize("fraction", ["0.6", "0.35"])
+@pytest.mark.parametrize("layout", ["data", "model", "explicit"])
+def test_below_the_in_core_estimate_a_sharded_step_matches_jax_jit_within_the_per_device_budget(layout, fraction):
+    run = _below(layout, fraction)
+    assert run["moved_bytes"] > 0 or run["recomputed"] > 0  # the budget really made the plan move or recompute
+    assert run["segments"] > 0 and run["launches"] > 0
+    assert run["close"], run["max_abs_difference"]
+    assert run["same_shardings"] and run["single_device_results"] == 0
+    assert set(run["result_kinds"]) <= {"device", "pinned_host"}
+    # Every launch, on every device: live device bytes (from shardings and shard shapes) plus what it allocates.
+    assert run["worst_launch"] <= run["budget"], run
+    assert run["peak_bytes"] <= run["budget"] and run["executed_peak_bytes"] <= run["budget"]
+    assert run["sizes_match_shards"] and run["second_call_reuses_plan"]
+
+
+@pytest.mark.parametrize("layout", ["data", "model", "explicit", "shard_map"])
+def test_a_plan_on_a_mesh_says_so_and_counts_per_device(layout):
+    report = measured(layout)
+    run = report["fractions"]["0.6"]
+    mesh = "8 devices, mesh data=2 model=4" if layout == "model" else "8 devices, mesh data=8"
+    assert run["mesh"] == mesh
+    assert mesh in run["summary_first_line"] and mesh in run["repr"]
+    # Per device: replicated parameters cost each device all of them, sharded ones a part.
+    if layout == "model":
+        assert report["in_core_bytes"] < report["argument_global_bytes"]
+
+
+def test_a_shard_map_step_plans_whole_and_runs_where_the_call_fits():
+    run = _below("shard_map", "0.6")
+    assert run["moved_bytes"] > 0 or run["recomputed"] > 0
+    assert run["close"] and run["same_shardings"] and run["single_device_results"] == 0
+    assert run["worst_launch"] <= run["budget"] and run["sizes_match_shards"]
+    # At 35% the shard_map call alone (run whole, its body's per-device peak as scratch) needs more.
+    error = measured("shard_map")["fractions"]["0.35"]["error"]
+    assert error.startswith("BudgetInfeasibleError") and "shard_map at sharded_steps.py" in error
+
+
+def test_another_layout_of_the_same_step_gets_another_plan_and_two_meshes_are_refused():
+    report = measured("data")
+    assert report["layouts"] == dict(traces=2, plans=2, distinct=True)
+    assert report["two_meshes"].startswith("OocError: ooc_jit: the arguments live on 2 different meshes")
+    assert "Fixes:" in report["two_meshes"]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="FSDP below its in-core estimate: at 60% one step differs from jax.jit by 2.2e-4 (over the tolerance), "
+    "and at 35% the compiled segments measure over the budget (XLA's gathers of whole weights)",
+)
+@pytest.mark.parametrize("fraction", ["0.6", "0.35"])
+def test_an_fsdp_step_below_the_in_core_estimate_matches_jax_jit(fraction):
+    run = _below("fsdp", fraction)
+    assert run["close"] and run["worst_launch"] <= run["budget"] and run["sizes_match_shards"]
