@@ -29,7 +29,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from oocjax.errors import OocError
-from oocjax.schedule import Program
+from oocjax.schedule import Program, Step
+from oocjax.schedule.segments import GatheringStep
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatProgram
 
@@ -234,18 +235,22 @@ def _probe_argument(x: Any) -> Any:
 
 def per_device_sizes(program: Program, flat: FlatProgram, layout: Layout) -> Program:
     """``program`` with every buffer sized as what it costs one device under ``layout``, and the
-    collectives' scratch (``collective_scratch``) added to their steps'."""
+    collectives' scratch (``collective_scratch``) added to their steps', which become
+    ``GatheringStep``s: a segment holds the scratch of all of them at once."""
     buffers = tuple(
         dataclasses.replace(buffer, nbytes=shard_bytes(flat.avals[b], layout.shardings[b]))
         for b, buffer in enumerate(program.buffers)
     )
     steps = tuple(
-        dataclasses.replace(step, transient_bytes=step.transient_bytes + extra)
-        if (extra := collective_scratch(fe, flat, layout))
-        else step
+        _gathering(step, extra) if (extra := collective_scratch(fe, flat, layout)) else step
         for step, fe in zip(program.steps, flat.equations, strict=True)
     )
     return Program(steps=steps, buffers=buffers)
+
+
+def _gathering(step: Step, scratch: int) -> GatheringStep:
+    fields = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
+    return GatheringStep(**fields | dict(transient_bytes=step.transient_bytes + scratch))
 
 
 def collective_scratch(fe: Any, flat: FlatProgram, layout: Layout) -> int:
@@ -255,6 +260,8 @@ def collective_scratch(fe: Any, flat: FlatProgram, layout: Layout) -> int:
     (FSDP's weights, sharded on their first dimension) or computes the whole result as partial sums
     before it reduces and scatters it. Neither value is in the jaxpr, so the plan reserves, as the
     step's scratch, the whole operands and result less the shards it already counts (an upper bound).
+    Inside one compiled program XLA gathers early, so a segment counts the scratch of all such
+    steps it runs together (``schedule.segments.GatheringStep``).
     """
     eqn = fe.eqn
     if eqn.primitive.name != "dot_general":
