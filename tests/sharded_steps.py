@@ -29,11 +29,9 @@ WIDTH, BATCH = 256, 64
 # it): per device, the sharded state must outweigh one layer's gathered weights for 35% of the
 # in-core estimate to be a budget the step can hold at all.
 DEPTHS = {"fsdp": 12}
-# Merged into one program, several products' gathers are live at once (XLA schedules them early),
-# which no per-step estimate sees: FSDP steps run one product per segment.
-OPTIONS = {"fsdp": dict(min_segment_flops=0)}
 FLOAT32_TOLERANCE = dict(atol=2e-5, rtol=1e-5)  # as tests/test_ooc_jit_reference.py
-optimizer = optax.adam(1e-2)
+LEARNING_RATE, B1, EPS = 1e-2, 0.9, 1e-8
+optimizer = optax.adam(LEARNING_RATE, b1=B1, eps=EPS)
 
 
 def init(key, depth):
@@ -128,6 +126,43 @@ def per_device_at_each_launch(fn, state, batch):
     return result, samples
 
 
+def adam_comparison(result, expected) -> dict:
+    """``result`` of one Adam step against ``expected``, part by part.
+
+    After Adam's first step from zero moments, ``mu = (1 - B1) * g``: the gradients are compared
+    through it, with the loss and ``nu``. A parameter moves by ``lr * g / (|g| + eps)`` (bias
+    corrected), whose derivative in ``g`` is ``lr * eps / (|g| + eps)**2``: up to ``lr / eps = 1e6``
+    at ``g = 0``, so a gradient near 0 that two reduction orders round differently by 1e-9 moves
+    its parameter by up to 1e-3. ``params_within_adam_bound``: every parameter within the float32
+    tolerance plus that bound, taken over the gradients' measured difference at that element (the
+    mean value theorem, ``|g|`` at its smallest between the two gradients, 0 if their signs differ).
+    """
+    ((params, (adam, *_)), value), ((want_params, (want_adam, *_)), want_value) = result, expected
+
+    def f64(tree):
+        return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+    grads, want_grads = [m / (1 - B1) for m in f64(adam.mu)], [m / (1 - B1) for m in f64(want_adam.mu)]
+    within, params_difference = True, 0.0
+    for p, q, g, h in zip(f64(params), f64(want_params), grads, want_grads):
+        nearest = np.where(np.sign(g) == np.sign(h), np.minimum(np.abs(g), np.abs(h)), 0.0)
+        bound = LEARNING_RATE * np.abs(g - h) * EPS / (nearest + EPS) ** 2
+        tolerance = FLOAT32_TOLERANCE["atol"] + FLOAT32_TOLERANCE["rtol"] * np.abs(q)
+        within &= bool(np.all(np.abs(p - q) <= bound + tolerance))
+        params_difference = max(params_difference, float(np.max(np.abs(p - q))))
+    moments = [(adam.mu, want_adam.mu), (adam.nu, want_adam.nu), (adam.count, want_adam.count), (value, want_value)]
+    return dict(
+        loss_difference=abs(float(value) - float(want_value)),
+        gradient_difference=max(float(np.max(np.abs(g - h))) for g, h in zip(grads, want_grads)),
+        largest_gradient=max(float(np.max(np.abs(h))) for h in want_grads),
+        moments_and_loss_close=all(
+            np.allclose(a, b, **FLOAT32_TOLERANCE) for x, y in moments for a, b in zip(f64(x), f64(y))
+        ),
+        params_difference=params_difference,
+        params_within_adam_bound=within,
+    )
+
+
 def run(layout: str) -> dict:
     fn, state, batch = placed(layout)
     expected = jax.jit(fn)(copied(state), batch)
@@ -137,7 +172,7 @@ def run(layout: str) -> dict:
     report |= dict(in_core_bytes=in_core, argument_global_bytes=global_bytes)
     for fraction in FRACTIONS:
         budget = int(in_core * fraction)
-        jitted = ooc_jit(fn, budget=budget, donate_argnums=0, min_offload_bytes=4096, **OPTIONS.get(layout, {}))
+        jitted = ooc_jit(fn, budget=budget, donate_argnums=0, min_offload_bytes=4096)
         try:
             plan = jitted.plan(state, batch)
         except Exception as error:
@@ -188,7 +223,12 @@ def run(layout: str) -> dict:
             result_kinds=sorted({x.sharding.memory_kind for x in leaves}),
             sizes_match_shards=bool(sizes_ok),
             second_call_reuses_plan=again,
+            adam=adam_comparison(result, expected),
         )
+    if layout == "fsdp":  # jax.jit itself, the same step on replicated parameters (data-parallel)
+        everywhere = NamedSharding(batch["x"].sharding.mesh, P())
+        replicated = jax.tree.map(lambda x: jax.device_put(x, everywhere), state)
+        report["jit_data_parallel"] = adam_comparison(jax.jit(fn)(replicated, batch), expected)
     if layout == "data":  # another layout of the same step: another signature, another plan
         jitted = ooc_jit(fn, budget=int(in_core * 0.6), donate_argnums=0, min_offload_bytes=4096)
         jitted(copied(state), batch)

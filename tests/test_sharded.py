@@ -93,13 +93,34 @@ def test_another_layout_of_the_same_step_gets_another_plan_and_two_meshes_are_re
     assert "Fixes:" in report["two_meshes"]
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="FSDP below its in-core estimate: at 60% one step differs from jax.jit by 2.2e-4 (over the tolerance), "
-    "and at 35% the compiled segments measure over the budget (XLA's gathers of whole weights)",
-)
+@pytest.mark.slow  # about 17 s on 2 CPU cores (12 layers planned at three budgets)
 @pytest.mark.parametrize("fraction", ["0.6", "0.35"])
-def test_an_fsdp_step_below_the_in_core_estimate_matches_jax_jit(fraction):
+def test_an_fsdp_step_below_the_in_core_estimate_matches_jax_jit_within_the_per_device_budget(fraction):
+    """Parameters and Adam's moments sharded on their first dimension, 12 layers: the compiled
+    segments hold the budget although XLA gathers whole weights inside them (each segment counts
+    every gather it runs: ``schedule.segments.GatheringStep``).
+
+    The updated parameters are not compared at the float32 tolerance: Adam's first update
+    ``lr * g / (|g| + eps)`` moves by up to ``lr / eps`` per unit of gradient near ``g = 0``, and
+    reductions in another order (other programs, gathered in other places) round the gradients
+    differently. Measured (8 CPU devices, jax 0.10.2): the gradients of ooc_jit at 60% and 35% differ
+    from jax.jit's by 1.6e-9 (largest gradient 3.0e-3), the loss is bitwise equal, and the updated
+    parameters differ by 2.7e-4 and 4.4e-4; jax.jit itself, run on replicated (data-parallel) instead
+    of FSDP parameters, differs from jax.jit by 1.8e-9 in the gradients and 3.2e-4 in the parameters.
+    So the gradients (Adam's ``mu``), ``nu`` and the loss are compared at the float32 tolerance, and
+    each parameter within it plus the bound Adam's update puts on that element's measured gradient
+    difference (``sharded_steps.adam_comparison``), which jax.jit's own layout change meets as well.
+    """
     run = _below("fsdp", fraction)
-    assert run["close"] and run["worst_launch"] <= run["budget"] and run["sizes_match_shards"]
+    assert run["moved_bytes"] > 0 or run["recomputed"] > 0
+    assert run["segments"] > 0 and run["launches"] > 0
+    adam = run["adam"]
+    assert adam["moments_and_loss_close"] and adam["loss_difference"] <= 1e-6, adam
+    assert adam["gradient_difference"] <= 1e-5 * adam["largest_gradient"], adam  # a reduction's rounding, no more
+    assert adam["params_within_adam_bound"], adam
+    jit = measured("fsdp")["jit_data_parallel"]  # jax.jit against itself on another layout, for scale
+    assert jit["moments_and_loss_close"] and jit["params_within_adam_bound"], jit
+    assert run["same_shardings"] and run["single_device_results"] == 0
+    assert run["worst_launch"] <= run["budget"], run
+    assert run["peak_bytes"] <= run["budget"] and run["executed_peak_bytes"] <= run["budget"]
+    assert run["sizes_match_shards"] and run["second_call_reuses_plan"]
