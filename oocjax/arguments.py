@@ -60,7 +60,7 @@ class ArgumentSpec:
             ) from None
         leaves, tree = jax.tree.flatten(self.dynamic(args, kwargs))  # every call: no paths unless needed
         try:
-            return key, tree, tuple(abstract(x) for x in leaves), tuple(layout(x) for x in leaves)
+            return key, tree, tuple(abstract(x) for x in leaves), layouts_key([layout(x) for x in leaves])
         except TypeError:
             self._refuse_non_array(args, kwargs)
             raise
@@ -142,3 +142,27 @@ def _hashable(x: Any) -> bool:
 
 def _name(fun: Callable) -> str:
     return f"<function {getattr(fun, '__qualname__', fun)!s}>"
+
+
+def layouts_key(layouts: list[Any]) -> tuple | None:
+    """The leaves' layouts as a plan depends on them, so that a step's own results fed back in
+    name the plan its arguments did: a leaf on one device beside leaves on a mesh is replicated
+    there (as ``jax.jit`` places it, and as the step returns it), and a spec's trailing unsharded
+    dimensions are dropped (``P('data', None)`` is ``P('data')``). None when no leaf is on a mesh."""
+    placed = [x for x in layouts if x is not None]
+    if not placed:
+        return None
+    mesh = getattr(placed[0], "mesh", None)
+    return tuple(_layout_key(x, mesh) for x in layouts)
+
+
+def _layout_key(sharding: Any, mesh: Any) -> Hashable:
+    if sharding is None:
+        return mesh, ()
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return sharding
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return sharding.mesh, tuple(parts)

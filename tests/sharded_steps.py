@@ -199,9 +199,10 @@ def run(layout: str) -> dict:
             for r, x in zip(outputs, leaves)
             if isinstance(r, int) and r >= traced.flat.num_inputs
         )
-        # A second call neither traces nor plans.
+        # A second call neither traces nor plans: fed the state the first returned, as a training
+        # loop does (its single-device leaves, such as Adam's count, come back replicated).
         traces, planners = dict(jitted._traces), dict(jitted._planners)
-        jitted(copied(state), batch)
+        jitted(copied(result[0]), batch)
         again = jitted._traces == traces and jitted._planners == planners
         report["fractions"][str(fraction)] = dict(
             budget=budget,
