@@ -29,7 +29,7 @@ from oocjax.pipeline import MAX_RUNTIME_REPLANS, PlannerOptions, StepPlanner
 from oocjax.plan import Plan
 from oocjax.schedule import format_bytes
 from oocjax.transforms.execute import segment_specs
-from oocjax.transforms.memories import layout, memory_kind, sharding
+from oocjax.transforms.memories import layout, memory_kind, put, sharding
 from oocjax.transforms.shardings import array_shard_bytes
 from oocjax.transforms.trace import TracedStep, trace_arguments
 
@@ -330,7 +330,7 @@ def _free_device_bytes() -> int | None:
 
 def _device_if_on_host(x: Any) -> Any:
     """``x`` in device memory, in its own layout (never gathered onto one device)."""
-    return jax.device_put(x, x.sharding.with_memory_kind("device")) if memory_kind(x) == "pinned_host" else x
+    return put([x], x.sharding.with_memory_kind("device"))[0] if memory_kind(x) == "pinned_host" else x
 
 
 def _to_memory(x: Any, kind: str, target: Any = None) -> Any:
@@ -340,7 +340,7 @@ def _to_memory(x: Any, kind: str, target: Any = None) -> Any:
         if memory_kind(x) == kind:
             return x
         placed = layout(x)
-        return jax.device_put(x, sharding(kind) if placed is None else placed.with_memory_kind(kind))
+        return put([x], sharding(kind) if placed is None else placed.with_memory_kind(kind))[0]
     target, current = target.with_memory_kind(kind), getattr(x, "sharding", None)
     if isinstance(x, jax.Array) and current.is_equivalent_to(target, x.ndim):
         return x
@@ -348,4 +348,4 @@ def _to_memory(x: Any, kind: str, target: Any = None) -> Any:
         # A replicated copy of a one-device array keeps the original's buffer as one of its shards,
         # even with may_alias=False (jax 0.10.2): deleting a donated original would delete that shard.
         x = x.copy()
-    return jax.device_put(x, target)
+    return put([x], target)[0]

@@ -192,6 +192,13 @@ class StepPlanner:
         )
         if self.runtime_replans >= MAX_RUNTIME_REPLANS:
             return f"{message}; planned again {self.runtime_replans} times already: raise headroom_bytes"
+        if jax.process_count() > 1:
+            # Another plan here alone would launch other programs than the other processes, whose
+            # collectives would then wait forever: this measurement is this process's own.
+            return (
+                f"{message}; not planned again, because every process of a multi-process run must run the "
+                f"same plan: pass headroom_bytes={budget.headroom_bytes + over + over // 4} to ooc_jit"
+            )
         self.runtime_replans += 1
         headroom = min(budget.headroom_bytes + over + over // 4, budget.user_bytes - 1)
         try:
@@ -447,8 +454,15 @@ def _plan(program: Program, budget: Budget, options: PlannerOptions, history: li
     """A plan made again after the compiled segments measured over the budget."""
     try:
         schedule = plan_window(program, budget.planned_bytes, **options.window)
-    except BudgetInfeasibleError as error:
-        raise OocError(_over_budget_message(budget.planned_bytes, history, error.required_bytes) + worst) from error
+    except BudgetInfeasibleError as error:  # with what the compiled segments measured, the budget is too small
+        message = _over_budget_message(budget.planned_bytes, history, error.required_bytes) + worst
+        raise BudgetInfeasibleError(
+            message,
+            budget_bytes=error.budget_bytes,
+            required_bytes=error.required_bytes,
+            step=error.step,
+            where=error.where,
+        ) from error
     _refuse_invalid("plan", validate(program, schedule))
     return schedule
 

@@ -77,3 +77,14 @@ def test_headroom_can_be_set_with_units_and_is_left_free_by_the_plan():
     assert plan.executed_peak_bytes <= BUDGET - 64 * 1024
     with pytest.raises(ValueError, match=r"headroom_bytes .* must be below the budget"):
         ooc_jit(mlp_step, budget="1MiB", headroom_bytes="1MiB")
+
+
+def test_in_a_multi_process_run_a_call_over_the_budget_is_only_warned_about_with_the_headroom_to_pass(monkeypatch):
+    # Another plan in one process alone would launch other programs than the others run.
+    device_peaks(monkeypatch, lambda: BUDGET + 2**16)
+    step = ooc_jit(mlp_step, budget=BUDGET, min_offload_bytes=4096)
+    plan = step.plan(PARAMS, X)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.warns(UserWarning, match=r"not planned again, because every process .* pass headroom_bytes=\d+"):
+        step(PARAMS, X)
+    assert step.plan(PARAMS, X) is plan

@@ -125,8 +125,34 @@ def measure_profile(device: Any = None, *, budget_s: float = 1.0, refresh: bool 
         d2h_latency_s=d2h.latency_s,
         source=f"measured by oocjax.transforms.calibrate.measure_profile on {device} ({sizes})",
     )
-    _MEASURED[key] = measured
+    _MEASURED[key] = measured = _agreed(measured)
     return measured
+
+
+AGREED_RATES = (
+    "flops_per_s",
+    "hbm_bytes_per_s",
+    "h2d_bytes_per_s",
+    "d2h_bytes_per_s",
+    "h2d_latency_s",
+    "d2h_latency_s",
+)
+
+
+def _agreed(profile: DeviceProfile) -> DeviceProfile:
+    """In a run of several processes, process 0's rates in every process. Plans are chosen by
+    simulated time with these rates, and every process must derive the same plan, or they launch
+    different programs and their collectives hang; each process measures its own devices a little
+    differently (SPMD.md, "Multi-process"). All processes measure, then take process 0's figures."""
+    if jax.process_count() == 1:
+        return profile
+    from jax.experimental import multihost_utils
+
+    ours = np.array([getattr(profile, name) for name in AGREED_RATES], np.float32)
+    theirs = [float(x) for x in multihost_utils.broadcast_one_to_all(ours)]
+    rates = dict(zip(AGREED_RATES, theirs, strict=True))
+    copy_latency_s = (rates["h2d_latency_s"] + rates["d2h_latency_s"]) / 2
+    return replace(profile, **rates, copy_latency_s=copy_latency_s, source=profile.source + ", process 0's rates")
 
 
 def _on_device_alone(device: Any) -> Any:

@@ -39,7 +39,7 @@ import jax
 
 from oocjax.schedule.segments import SegmentCost
 from oocjax.transforms import _compat as jc
-from oocjax.transforms.memories import memory_kind, sharding, spec
+from oocjax.transforms.memories import memory_kind, put, sharding, spec
 from oocjax.transforms.segment import Chain, SegmentRun
 from oocjax.transforms.shardings import array_shard_bytes
 
@@ -332,7 +332,7 @@ class ChainExecutor:
             # On a mesh, each value comes back in its own layout, as the segment was compiled for it.
             target = self.device if self.chain.shardings is None else [self.chain.shardings[b] for b in run.prefetches]
             with jax.profiler.TraceAnnotation(run.names[1]):
-                copies = jax.device_put([slots[b + host_offset] for b in run.prefetches], target)
+                copies = put([slots[b + host_offset] for b in run.prefetches], target)
             for b, x in zip(run.prefetches, copies):
                 slots[b] = x
                 memory.hold(x, slot_bytes[b], owned=True)
@@ -356,7 +356,7 @@ class ChainExecutor:
             # On a mesh, each shard is copied to its own device's host memory: the layout stays.
             target = self.host if self.chain.shardings is None else [_in_host(x) for x in leaving]
             with jax.profiler.TraceAnnotation(run.names[2]):
-                copies = jax.device_put(leaving, target)
+                copies = put(leaving, target)
             del leaving
             for b, copy, last in zip(run.offloads, copies, run.dropped_after_offload):
                 slots[b + host_offset] = copy

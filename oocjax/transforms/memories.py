@@ -4,6 +4,7 @@ placed on several devices (a mesh), of those devices in the same layout."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -45,3 +46,32 @@ def spec(x: Any, kind: str) -> jax.ShapeDtypeStruct:
     placed = layout(x)
     target = sharding(kind) if placed is None else placed.with_memory_kind(kind)
     return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type, sharding=target)
+
+
+def put(values: Sequence[Any], targets: jax.sharding.Sharding | Sequence[jax.sharding.Sharding]) -> list[Any]:
+    """``jax.device_put(values, targets)`` in one batch, except that an array spanning several
+    processes, moved to another memory in its own layout, is copied shard by shard: ``device_put``
+    would run a resharding program across the processes for it (SPMD.md: 117 of them per step in a
+    two-process run), where each process can copy its own shards with no program."""
+    targets = list(targets) if isinstance(targets, Sequence) else [targets] * len(values)
+    by_shard = [_spans_processes(x) and _same_layout(x, target) for x, target in zip(values, targets, strict=True)]
+    whole = [i for i, shard_wise in enumerate(by_shard) if not shard_wise]
+    moved: list[Any] = [None] * len(values)
+    if whole:
+        copies = jax.device_put([values[i] for i in whole], [targets[i] for i in whole])
+        for i, copy in zip(whole, copies, strict=True):
+            moved[i] = copy
+    for i in (i for i, shard_wise in enumerate(by_shard) if shard_wise):
+        shards = [s.data for s in values[i].addressable_shards]
+        kind = targets[i].memory_kind
+        copies = jax.device_put(shards, [s.sharding.with_memory_kind(kind) for s in shards])
+        moved[i] = jax.make_array_from_single_device_arrays(values[i].shape, targets[i], copies)
+    return moved
+
+
+def _spans_processes(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def _same_layout(x: jax.Array, target: jax.sharding.Sharding) -> bool:
+    return x.sharding.with_memory_kind(target.memory_kind).is_equivalent_to(target, x.ndim)
