@@ -304,6 +304,8 @@ def test_segments_that_never_fit_raise_naming_the_largest_segment_and_its_lines(
     with pytest.raises(OocError, match=r"do not fit the budget .* measured") as caught:
         ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB).plan(HOST_PARAMS, HOST_X)
     assert re.search(r"The largest segment runs equations \d+\.\.\d+ \(test_ooc_jit\.py:\d+", str(caught.value))
+    # With what the segments measured, no plan fits: the budget is too small, and the error says how small.
+    assert isinstance(caught.value, BudgetInfeasibleError) and caught.value.required_bytes > budget
 
 
 def test_a_chain_that_keeps_measuring_over_the_budget_gives_up_after_the_replan_limit(monkeypatch):

@@ -436,7 +436,8 @@ def _user_name(eqn: jc.JaxprEqn) -> str:
 def _bodies(eqn: jc.JaxprEqn, rule: PrimitiveRule) -> Iterator[Any]:
     for param in rule.body_params:
         value = eqn.params[param]
-        yield from value if isinstance(value, tuple) else (value,)
+        # A tuple param may hold unused places (``custom_linear_solve``'s jaxprs without a transpose).
+        yield from (body for body in (value if isinstance(value, tuple) else (value,)) if body is not None)
 
 
 @dataclass(frozen=True, slots=True)
