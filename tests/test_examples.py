@@ -60,3 +60,14 @@ def test_the_nnx_example_trains_under_half_its_in_core_memory(tmp_path):
     figures = run_example("train_nnx.py", "--steps", "150", out=tmp_path / "nnx.json")
     assert len(figures["losses"]) == 150
     assert_trained_under_half_the_in_core_estimate(figures)
+
+
+@pytest.mark.slow
+def test_the_sharded_example_trains_data_parallel_on_8_devices_within_its_per_device_budget(tmp_path):
+    figures = run_example("train_sharded.py", "--steps", "3", out=tmp_path / "sharded.json")
+    assert figures["devices"] == 8 and figures["parameter_devices"] == [8]  # never gathered onto one device
+    assert figures["budget_bytes"] <= figures["in_core_estimate_bytes"] // 2
+    assert figures["moved_bytes"] or figures["recomputed"]
+    assert figures["launches"] > 0 and 0 < figures["measured_peak_bytes"] <= figures["budget_bytes"]
+    assert abs(figures["losses"][0] - figures["jax_jit_first_loss"]) <= 1e-5 * abs(figures["jax_jit_first_loss"])
+    assert figures["losses"][-1] < figures["losses"][0]
