@@ -7,6 +7,7 @@ of what it measured, and the parent test asserts on it. Layouts: ``LAYOUTS``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections import defaultdict
@@ -20,6 +21,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oocjax import ooc_jit
+from oocjax.transforms import execute
 from oocjax.transforms.execute import observe_segments
 
 LAYOUTS = ("data", "model", "fsdp", "explicit", "shard_map")
@@ -169,6 +171,25 @@ def adam_comparison(result, expected) -> dict:
     )
 
 
+@contextlib.contextmanager
+def planned_bytes_checked():
+    """Every array the executor holds on the device (arguments, segment outputs, prefetched copies)
+    against the bytes its plan counts for it: the mismatches, as (planned, real shard bytes)."""
+    mismatches: list[tuple[int, int]] = []
+    hold = execute._DeviceMemory.hold
+
+    def checked(memory, x, nbytes, *, owned):
+        if nbytes and isinstance(x, jax.Array) and nbytes != shard_bytes(x):
+            mismatches.append((nbytes, shard_bytes(x)))
+        hold(memory, x, nbytes, owned=owned)
+
+    execute._DeviceMemory.hold = checked
+    try:
+        yield mismatches
+    finally:
+        execute._DeviceMemory.hold = hold
+
+
 def run(layout: str) -> dict:
     fn, state, batch = placed(layout)
     expected = jax.jit(fn)(copied(state), batch)
@@ -184,7 +205,8 @@ def run(layout: str) -> dict:
         except Exception as error:
             report["fractions"][str(fraction)] = dict(budget=budget, error=f"{type(error).__name__}: {error}")
             continue
-        (result, samples) = per_device_at_each_launch(jitted, copied(state), batch)
+        with planned_bytes_checked() as mismatches:
+            (result, samples) = per_device_at_each_launch(jitted, copied(state), batch)
         leaves, wanted = jax.tree.leaves(result), jax.tree.leaves(expected)
         exact = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, wanted))
         close = all(np.allclose(np.asarray(a), np.asarray(b), **FLOAT32_TOLERANCE) for a, b in zip(leaves, wanted))
@@ -230,6 +252,7 @@ def run(layout: str) -> dict:
             result_kinds=sorted({x.sharding.memory_kind for x in leaves}),
             sizes_match_shards=bool(sizes_ok),
             second_call_reuses_plan=again,
+            held_arrays_off_their_planned_bytes=mismatches,
             shard_map_steps=sum(step.name == "shard_map" for step in plan.program.steps),
             layers=DEPTHS.get(layout, 4),
             adam=adam_comparison(result, expected),

@@ -62,6 +62,7 @@ def test_below_the_in_core_estimate_a_sharded_step_matches_jax_jit_within_the_pe
     assert run["worst_launch"] <= run["budget"], run
     assert run["peak_bytes"] <= run["budget"] and run["executed_peak_bytes"] <= run["budget"]
     assert run["sizes_match_shards"] and run["second_call_reuses_plan"]
+    assert run["held_arrays_off_their_planned_bytes"] == []  # every array between segments: its shard bytes
 
 
 @pytest.mark.parametrize("layout", ["data", "model", "explicit", "shard_map"])
