@@ -42,3 +42,19 @@ def test_benchmarks_import_no_private_name_of_oocjax():
         if alias.name.startswith("_") or any(part.startswith("_") for part in node.module.split("."))
     ]
     assert private == []
+
+
+def test_oocjax_reads_only_this_processs_devices():
+    # In a multi-process run jax.devices()[0] belongs to process 0: reading its memory statistics
+    # from another process crashes (SPMD.md). Local devices, or the step's own, only.
+    calls = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in modules("oocjax")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "devices"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "jax"
+    ]
+    assert calls == []
