@@ -276,7 +276,28 @@ def run(layout: str) -> dict:
             report["two_meshes"] = "no error"
         except Exception as error:
             report["two_meshes"] = f"{type(error).__name__}: {error}"
+        report["closed_over"] = closed_over_sharded_constant(fn, state, batch, int(in_core * 0.6))
     return report
+
+
+def closed_over_sharded_constant(fn, state, batch, budget: int) -> dict:
+    """A step that closes over an array split over the mesh: the constant keeps its layout (it
+    is never gathered onto every device), and the step matches jax.jit."""
+    targets = batch["y"]
+
+    def closed(state, x):
+        return fn(state, {"x": x, "y": targets})
+
+    expected = jax.jit(closed)(copied(state), batch["x"])
+    jitted = ooc_jit(closed, budget=budget, donate_argnums=0, min_offload_bytes=4096)
+    result = jitted(copied(state), batch["x"])
+    traced = next(iter(jitted._traces.values()))
+    specs = [str(traced.layout.shardings[b].spec) for b, x in traced.flat.constants if x is targets]
+    close = all(
+        np.allclose(np.asarray(a), np.asarray(b), **FLOAT32_TOLERANCE)
+        for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(expected))
+    )
+    return dict(specs=specs, close=close, segments=len(jitted.plan(copied(state), batch["x"]).segments))
 
 
 if __name__ == "__main__":

@@ -90,6 +90,12 @@ def test_another_layout_of_the_same_step_gets_another_plan_and_two_meshes_are_re
     assert "Fixes:" in report["two_meshes"]
 
 
+def test_a_constant_the_step_closes_over_on_the_mesh_keeps_its_layout():
+    closed_over = measured("data")["closed_over"]
+    assert closed_over["specs"] == ["P('data',)"]  # not replicated: never gathered
+    assert closed_over["segments"] > 0 and closed_over["close"]
+
+
 @pytest.mark.slow  # about 17 s on 2 CPU cores (12 layers planned at three budgets)
 @pytest.mark.parametrize("fraction", ["0.6", "0.35"])
 def test_an_fsdp_step_below_the_in_core_estimate_matches_jax_jit_within_the_per_device_budget(fraction):

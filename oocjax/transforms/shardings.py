@@ -169,7 +169,7 @@ def _concrete_mesh(leaves: Sequence[Any], flat: FlatProgram) -> Any:
     )
 
 
-def step_layout(fun: Any, flat: FlatProgram, leaves: Sequence[Any]) -> Layout:
+def step_layout(flat: FlatProgram, leaves: Sequence[Any]) -> Layout:
     """Every flat buffer's device sharding (see the module docstring). ``leaves`` are the step's
     flat arguments: arrays (in any memory) or ``jax.ShapeDtypeStruct``s."""
     mesh = _concrete_mesh(leaves, flat)
@@ -178,8 +178,10 @@ def step_layout(fun: Any, flat: FlatProgram, leaves: Sequence[Any]) -> Layout:
     for b, aval in enumerate(flat.avals):
         if _explicit_mesh(aval) is not None:
             shardings[b] = NamedSharding(mesh, aval.sharding.spec, memory_kind="device")
-    for b, _ in flat.constants:
-        shardings[b] = replicated
+    for b, x in flat.constants:
+        # A constant the step closed over on the mesh keeps its layout (replicating it would gather
+        # it onto every device); numpy and one-device constants are replicated, as jax.jit does.
+        shardings[b] = x.sharding.with_memory_kind("device") if _spans_devices(x) else replicated
     for fe in flat.equations:
         eqn = fe.eqn
         if eqn.primitive.name == "shard_map" and isinstance(eqn.params["mesh"], jax.sharding.Mesh):

@@ -73,7 +73,7 @@ def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict) -> TracedStep
     output_labels = [f"result{jax.tree_util.keystr(path)}" for path, _ in results]
     flat = flatten(traced.jaxpr)
     program = to_program(flat, input_labels=labels, donated=donated, output_labels=output_labels)
-    layout = step_layout(spec.fun, flat, arguments) if is_sharded(arguments, flat) else None
+    layout = step_layout(flat, arguments) if is_sharded(arguments, flat) else None
     if layout is not None:
         program = per_device_sizes(program, flat, layout)  # the budget is per device
     return TracedStep(traced.jaxpr, flat, program, jax.tree.structure(traced.out_info), donated, layout)
