@@ -278,6 +278,9 @@ def _on_host(x: Any) -> bool:
 
 
 def _nbytes(x: Any) -> int:
+    """The bytes this process holds of ``x``: on a mesh, a shard on each of its own devices."""
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+        return array_shard_bytes(x) * len(x.sharding.addressable_devices)
     return int(getattr(x, "nbytes", 0))
 
 

@@ -173,6 +173,8 @@ class StepPlanner:
         self.traced, self.options, self.held_by_caller = traced, options, held_by_caller
         self.program = _with_held_by_caller(traced.program, held_by_caller)
         self.host_budget = _host_budget(options, host_bytes_in_use)
+        # On a mesh every byte figure is per device, and this process keeps host copies for each of its devices.
+        self.local_copies = 1 if traced.layout is None else len(traced.layout.replicated.addressable_devices)
         self.compiled: dict = {}
         self.runtime_replans = 0
         self.budget = Budget(user_bytes=budget_bytes, headroom_bytes=options.headroom_bytes)
@@ -247,7 +249,7 @@ class StepPlanner:
             entry = dict(choice=choice, program=program, schedule=schedule)
             if schedule.moves_nothing and not rewrite.recomputed and options.min_segments <= 1:
                 return self._finish(budget, **entry), entry
-            _check_host_peak(program, schedule, self.host_budget, options.host_budget is None)
+            _check_host_peak(program, schedule, self.host_budget, options.host_budget is None, self.local_copies)
             cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments)
             cuts["layers"] = layers
             cuts["cut_before"] = tuple(halved)
@@ -297,7 +299,7 @@ class StepPlanner:
         """The step that runs a plan: ``jax.jit``'s program when nothing moves, else the chain of
         ``programs`` (per distinct program, ``program_index`` per segment, when read from the cache)."""
         traced = self.traced
-        _check_host_peak(program, schedule, self.host_budget, self.options.host_budget is None)
+        _check_host_peak(program, schedule, self.host_budget, self.options.host_budget is None, self.local_copies)
         described = _description(traced, choice, schedule, budget)
         if not segments:
             return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None)
@@ -393,11 +395,14 @@ def _refuse_invalid(what: str, violations: tuple) -> None:
         )
 
 
-def _check_host_peak(program: Program, schedule: Schedule, host_budget: int | None, default: bool) -> None:
-    """Host memory is finite too: a plan whose host copies would not fit is refused before it runs."""
+def _check_host_peak(
+    program: Program, schedule: Schedule, host_budget: int | None, default: bool, copies: int = 1
+) -> None:
+    """Host memory is finite too: a plan whose host copies would not fit is refused before it runs.
+    The plan's figures are per device; this process holds them for each of its ``copies`` devices."""
     if host_budget is None:
         return
-    host_peak = simulate(program, schedule).host_peak_bytes
+    host_peak = simulate(program, schedule).host_peak_bytes * copies
     if host_peak <= host_budget:
         return
     which = (

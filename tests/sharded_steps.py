@@ -277,7 +277,24 @@ def run(layout: str) -> dict:
         except Exception as error:
             report["two_meshes"] = f"{type(error).__name__}: {error}"
         report["closed_over"] = closed_over_sharded_constant(fn, state, batch, int(in_core * 0.6))
+        report["host_budget"] = host_budget_per_process(fn, state, batch, int(in_core * 0.35))
     return report
+
+
+def host_budget_per_process(fn, state, batch, budget: int) -> dict:
+    """A plan's host peak is per device, and this process keeps host copies for each of its 8
+    devices: a host_budget below 8 times it is refused, 8 times it is enough."""
+    per_device = ooc_jit(fn, budget=budget, donate_argnums=0, min_offload_bytes=4096).plan(state, batch).host_peak_bytes
+    outcome = {}
+    for name, host_budget in (("just_enough", 8 * per_device), ("one_byte_short", 8 * per_device - 1)):
+        try:
+            ooc_jit(fn, budget=budget, donate_argnums=0, min_offload_bytes=4096, host_budget=host_budget).plan(
+                state, batch
+            )
+            outcome[name] = "planned"
+        except Exception as error:
+            outcome[name] = f"{type(error).__name__}: {error}"
+    return dict(per_device=per_device, **outcome)
 
 
 def closed_over_sharded_constant(fn, state, batch, budget: int) -> dict:

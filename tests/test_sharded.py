@@ -127,3 +127,9 @@ def test_an_fsdp_step_below_the_in_core_estimate_matches_jax_jit_within_the_per_
     assert run["worst_launch"] <= run["budget"], run
     assert run["peak_bytes"] <= run["budget"] and run["executed_peak_bytes"] <= run["budget"]
     assert run["sizes_match_shards"] and run["second_call_reuses_plan"]
+
+
+def test_host_memory_is_counted_for_every_device_of_the_process():
+    host = measured("data")["host_budget"]
+    assert host["per_device"] > 0 and host["just_enough"] == "planned"
+    assert host["one_byte_short"].startswith("OocError: the plan needs") and "of host memory" in host["one_byte_short"]
