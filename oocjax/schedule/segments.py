@@ -78,7 +78,24 @@ class GatheringStep(Step):
     per device, two whole weights, where one product's gathers are 336 KiB). A segment's estimate
     counts the scratch of all its gathering steps together; a one-step segment is still the
     per-step model the plan fits.
+
+    Attributes:
+      gathered_bytes: the part of ``transient_bytes`` that is the collective's scratch, summed over
+        a segment's gathering steps (by default all of it). The rest (scratch learnt from measured
+        segments, ``with_measured_scratch``) is held only while the step runs, as any step's is: a
+        segment's excess counts once, not once per gathering step.
     """
+
+    gathered_bytes: int = -1
+
+    def __post_init__(self) -> None:
+        if self.gathered_bytes < 0:
+            object.__setattr__(self, "gathered_bytes", self.transient_bytes)
+
+    @property
+    def own_bytes(self) -> int:
+        """Its scratch held only while it runs (``transient_bytes`` beyond the gathered part)."""
+        return self.transient_bytes - self.gathered_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,11 +175,12 @@ class _Segmenter:
                 else:
                     live += size
                     ending[stay.end] += size
-            if isinstance(steps[k], GatheringStep):  # held for the whole program (GatheringStep)
-                gathered += steps[k].transient_bytes
-                internal_peak = max(internal_peak, live)
+            step = steps[k]
+            if isinstance(step, GatheringStep):  # its gathers are held for the whole program
+                gathered += step.gathered_bytes
+                internal_peak = max(internal_peak, live + step.own_bytes)
             else:
-                internal_peak = max(internal_peak, live + steps[k].transient_bytes)
+                internal_peak = max(internal_peak, live + step.transient_bytes)
             live -= ending.pop(k, 0)
         return held, held + external + internal_peak + gathered
 
@@ -393,7 +411,11 @@ def with_measured_scratch(
 ) -> Program:
     """``program`` with the memory its compiled segments need beyond the estimate added as scratch
     of their steps: planned again, less is held around them. Every underestimate is fed back, not
-    only those that broke the budget, so that the next plan does not meet them one by one."""
+    only those that broke the budget, so that the next plan does not meet them one by one.
+
+    A segment's excess is one amount, counted once by its estimate: a ``GatheringStep`` keeps its
+    gathered scratch apart (``gathered_bytes``, summed over the segment), and the excess joins the
+    scratch it holds only while it runs (the segment's peak over its steps), as for any step."""
     transient = [step.transient_bytes for step in program.steps]
     for segment, cost in zip(segments, costs, strict=True):
         excess = cost.launch_bytes - (segment.estimate_bytes - segment.held_bytes)

@@ -1,0 +1,64 @@
+"""Edges of steps on a mesh: a segment's measured scratch counted once whatever its gathers,
+``jax_debug_nans`` in each segment's layout, and the mesh set with ``jax.set_mesh`` in the signature."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from oocjax.schedule import Program, keep_all
+from oocjax.schedule.segments import GatheringStep, SegmentCost, cut_segments, with_measured_scratch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# -- measured scratch in a segment of gathering steps -------------------------------------------
+
+GATHER, EXCESS = 100, 40
+
+
+def gathering_program() -> Program:
+    """x -> a -> b -> c -> out, the middle three steps each gathering 100 bytes (an FSDP product)."""
+    sizes = {"x": 8, "a": 8, "b": 8, "c": 8, "out": 8}
+    ops = [("f", ["x"], ["a"]), ("dot", ["a"], ["b"]), ("dot", ["b"], ["c"]), ("dot", ["c"], ["out"])]
+    program = Program.from_ops(ops, sizes, inputs=["x"], outputs=["out"])
+    steps = tuple(
+        GatheringStep(**{f.name: getattr(step, f.name) for f in dataclasses.fields(step)} | {"transient_bytes": GATHER})
+        if step.name == "dot"
+        else step
+        for step in program.steps
+    )
+    return Program(steps=steps, buffers=program.buffers)
+
+
+def test_a_segments_measured_excess_counts_once_whatever_its_gathering_steps():
+    program = gathering_program()
+    schedule = keep_all(program)
+    (segment,) = cut_segments(program, schedule, budget_bytes=10**6)
+    # Every gather, two live values and the result.
+    assert segment.estimate_bytes - segment.held_bytes == 3 * GATHER + 3 * 8
+    # The compiled segment came out EXCESS bytes larger than its estimate.
+    launched = segment.estimate_bytes - segment.held_bytes + EXCESS
+    cost = SegmentCost(temp_bytes=launched, output_bytes=0, alias_bytes=0)
+    learnt = with_measured_scratch(program, (segment,), (cost,), budget_bytes=10**6)
+    assert [s.transient_bytes for s in learnt.steps] == [EXCESS, *(3 * [GATHER + EXCESS])]  # per step, as planned
+    (again,) = cut_segments(learnt, keep_all(learnt), budget_bytes=10**6)
+    # Planned again, the segment's estimate is what it measured: the excess once, not once per gather.
+    assert again.estimate_bytes - again.held_bytes == launched
+    # So the budget it measured at fits it, uncut.
+    assert len(cut_segments(learnt, keep_all(learnt), budget_bytes=again.held_bytes + launched)) == 1
+    # The gathers stay apart from the excess, each step's own.
+    assert all(s.gathered_bytes == GATHER for s in learnt.steps if isinstance(s, GatheringStep))
+
+
+def test_a_one_step_gathering_segment_is_still_the_per_step_model():
+    program = gathering_program()
+    cost = SegmentCost(temp_bytes=0, output_bytes=0, alias_bytes=0)
+    segments = cut_segments(program, keep_all(program), budget_bytes=10**6, min_segments=4)
+    learnt = program
+    for segment in segments:
+        measured = dataclasses.replace(cost, temp_bytes=segment.estimate_bytes - segment.held_bytes + EXCESS)
+        learnt = with_measured_scratch(learnt, (segment,), (measured,), budget_bytes=10**6)
+    for segment in cut_segments(learnt, keep_all(learnt), budget_bytes=10**6, min_segments=4):
+        (step,) = learnt.steps[segment.start : segment.stop]
+        written = sum(learnt.buffers[b].nbytes for b in step.writes)
+        assert segment.estimate_bytes == segment.held_bytes + written + step.transient_bytes
