@@ -148,12 +148,26 @@ def layouts_key(layouts: list[Any]) -> tuple | None:
     """The leaves' layouts as a plan depends on them, so that a step's own results fed back in
     name the plan its arguments did: a leaf on one device beside leaves on a mesh is replicated
     there (as ``jax.jit`` places it, and as the step returns it), and a spec's trailing unsharded
-    dimensions are dropped (``P('data', None)`` is ``P('data')``). None when no leaf is on a mesh."""
+    dimensions are dropped (``P('data', None)`` is ``P('data')``). The mesh set with
+    ``jax.set_mesh`` is part of it where one is set: a step with explicit mesh axes or ``shard_map``
+    on uncommitted arguments runs on it (``transforms.shardings``), so another mesh is another plan.
+    None when no leaf is on a mesh and no mesh is set (one device: one cheap check per call)."""
+    context = _context_mesh()
     placed = [x for x in layouts if x is not None]
     if not placed:
-        return None
+        return None if context is None else (context,)
     mesh = getattr(placed[0], "mesh", None)
-    return tuple(_layout_key(x, mesh) for x in layouts)
+    return (*(_layout_key(x, mesh) for x in layouts), context)
+
+
+def _context_mesh() -> Any:
+    """The concrete mesh set with ``jax.set_mesh`` (None where none is, or under a trace, where jax
+    does not say: there the arguments are placed or traced, and the mesh is theirs)."""
+    try:
+        mesh = jax.sharding.get_mesh()
+    except ValueError:  # inside a trace
+        return None
+    return None if mesh.empty else mesh
 
 
 def _layout_key(sharding: Any, mesh: Any) -> Hashable:

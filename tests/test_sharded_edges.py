@@ -6,6 +6,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType
+
+from oocjax import ooc_jit
+from oocjax.arguments import layouts_key
 from oocjax.schedule import Program, keep_all
 from oocjax.schedule.segments import GatheringStep, SegmentCost, cut_segments, with_measured_scratch
 
@@ -62,3 +68,38 @@ def test_a_one_step_gathering_segment_is_still_the_per_step_model():
         (step,) = learnt.steps[segment.start : segment.stop]
         written = sum(learnt.buffers[b].nbytes for b in step.writes)
         assert segment.estimate_bytes == segment.held_bytes + written + step.transient_bytes
+
+
+# -- the mesh set with jax.set_mesh ---------------------------------------------------------------
+
+
+def one_device_mesh(axis: str) -> jax.sharding.Mesh:
+    return jax.make_mesh((1,), (axis,), axis_types=(AxisType.Explicit,))
+
+
+def test_each_mesh_set_with_jax_set_mesh_gets_its_own_plan():
+    traced_under = []
+
+    def step(x):
+        traced_under.append(jax.sharding.get_abstract_mesh().axis_names)
+        return x * 2
+
+    ooc, x = ooc_jit(step, budget="1GiB"), jnp.ones(8)
+    with jax.set_mesh(one_device_mesh("a")):
+        first = ooc.plan(x)
+        assert ooc.plan(x) is first  # the same mesh: the same plan
+        assert (ooc(x) == 2).all()
+    with jax.set_mesh(one_device_mesh("b")):
+        second = ooc.plan(x)
+        assert (ooc(x) == 2).all()
+    assert second is not first  # another mesh, another plan, traced under it
+    assert ("a",) in traced_under and ("b",) in traced_under
+    assert ooc.plan(x) is not first and ooc.plan(x) is not second  # and none set: one more
+    with jax.set_mesh(one_device_mesh("a")):
+        assert ooc.plan(x) is first
+
+
+def test_without_a_mesh_the_signature_holds_no_layout():
+    assert layouts_key([None, None]) is None
+    with jax.set_mesh(one_device_mesh("a")):
+        assert layouts_key([None, None]) == (one_device_mesh("a"),)
