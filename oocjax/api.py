@@ -25,7 +25,7 @@ import jax
 from oocjax.arguments import ArgumentSpec
 from oocjax.budget import resolve_budget
 from oocjax.errors import OocError
-from oocjax.pipeline import MAX_RUNTIME_REPLANS, PlannerOptions, StepPlanner
+from oocjax.pipeline import MAX_RUNTIME_REPLANS, PlannerOptions, StepPlanner, agreed_across_processes
 from oocjax.plan import Plan
 from oocjax.schedule import format_bytes
 from oocjax.transforms.execute import segment_specs
@@ -66,10 +66,9 @@ def ooc_jit(
 
     Args:
       fun: the step, e.g. ``train_step(state, batch) -> (state, metrics)``.
-      budget: device bytes the step may use, on each device (for a step on a mesh: what each
-        device may hold of its shards): an int, a string with units (``"512MiB"``,
-        ``"1.5GB"``, ``"12GiB"``), or a fraction of the device's memory (``0.8``, ``"0.8"`` or
-        ``"80%"``) where the device reports its size.
+      budget: device bytes the step may use on each device (of its shards, on a mesh): an int,
+        a string with units (``"512MiB"``, ``"1.5GB"``, ``"12GiB"``), or a fraction of the
+        device's memory (``0.8``, ``"0.8"`` or ``"80%"``) where the device reports its size.
       static_argnums, static_argnames, donate_argnums: as for ``jax.jit``. Donate the training
         state: its device memory is then reused during the step, and state kept in host memory
         comes back there, ready for the next step (evaluate it with an ``ooc_jit`` step, or
@@ -103,6 +102,7 @@ def ooc_jit(
     device = jax.local_devices()[0]  # in a multi-process run, jax.devices()[0] may be another process's
     budget_bytes = resolve_budget(budget, device)
     options = PlannerOptions.read(planner_options, device.platform, budget_bytes)
+    budget_bytes, options = agreed_across_processes(budget_bytes, options)
     settings = dict(budget_bytes=budget_bytes, options=options)
     statics = dict(static_argnums=static_argnums, static_argnames=static_argnames, donate_argnums=donate_argnums)
     if fun is None:

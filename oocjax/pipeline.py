@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from oocjax import plan_cache
 from oocjax.budget import available_host_bytes, resolve_bytes
@@ -363,6 +364,29 @@ def _description(traced: TracedStep, choice: HybridPlan, schedule: Schedule, bud
         device=jax.local_devices()[0].device_kind,
         mesh="" if traced.layout is None else traced.layout.mesh,
     )
+
+
+def agreed_across_processes(budget_bytes: int, options: PlannerOptions) -> tuple[int, PlannerOptions]:
+    """In a run of several processes, what every process must plan with alike: the least budget (a
+    share of each device's memory may differ between hosts), the least host memory available (a
+    plan refused in one process alone would leave the others waiting in their first collective),
+    and process 0's device rates (``calibrate.measure_profile``). Collective: ``ooc_jit`` calls it
+    in every process when it wraps a step, so that planning later needs no other process."""
+    if jax.process_count() == 1:
+        return budget_bytes, options
+    from jax.experimental import multihost_utils
+
+    measure_profile()
+    host = options.host_budget
+    if host is None:
+        host = int((available_host_bytes() or 0) * (1 - HOST_MARGIN))  # 0: unknown somewhere, no check
+    # Byte counts as 30-bit words: without jax_enable_x64 a gathered int64 would be cut to 32 bits.
+    words = np.array([[(value >> shift) & (2**30 - 1) for shift in (60, 30, 0)] for value in (budget_bytes, host)])
+    gathered = np.asarray(multihost_utils.process_allgather(words.astype(np.int32)))
+    budget_bytes, host = (
+        min(sum(int(w) << s for w, s in zip(ws, (60, 30, 0))) for ws in gathered[:, i]) for i in range(2)
+    )
+    return budget_bytes, dataclasses.replace(options, host_budget=host or None)
 
 
 def _host_budget(options: PlannerOptions, host_bytes_in_use: int) -> int | None:
