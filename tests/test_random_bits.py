@@ -62,3 +62,14 @@ def test_segments_of_a_dropout_step_make_random_bits_without_a_loop_and_match_ja
         if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
             a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_an_inner_block_ending_leaves_the_outer_one_unrolled():
+    key, x = jax.random.key(0), jnp.ones((8, 8))
+    with jc.unrolled_threefry():
+        with jc.unrolled_threefry():  # another thread's compile, say
+            pass
+        jax.clear_caches()
+        assert " while(" not in compiled_text(jax.jit(dropout).lower(key, x))
+    jax.clear_caches()
+    assert " while(" in compiled_text(jax.jit(dropout).lower(key, x))

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -74,6 +75,10 @@ wait_p.def_abstract_eval(lambda aval: aval)
 mlir.register_lowering(wait_p, lambda ctx, x: [x])
 
 
+_threefry_lock = threading.Lock()
+_threefry_blocks = 0  # blocks running now, in any thread: the rolled rule comes back after the last
+
+
 @contextlib.contextmanager
 def unrolled_threefry() -> Iterator[None]:
     """Lowers Threefry's rounds unrolled on the CPU too, while the block runs.
@@ -82,9 +87,10 @@ def unrolled_threefry() -> Iterator[None]:
     2-core machine, a program with one dropout mask of 16x32x64 compiled in 0.55 s of CPU time
     with the loop and 0.057 s unrolled, and ran in 357 against 149 us; the bits are the same (the
     rounds are integer arithmetic). Every program that makes random bits pays that compile, and a
-    chain of segments has several such programs where ``jax.jit`` has one. Lowering is done on
-    the calling thread, so only what the block lowers is affected. Where jax's internals have
-    moved, nothing changes."""
+    chain of segments has several such programs where ``jax.jit`` has one. jax's lowering rules
+    are one table for the process: while a block runs, whatever another thread lowers for the CPU
+    gets the unrolled rounds too (the same bits). Where jax's internals have moved, nothing changes."""
+    global _threefry_blocks
     try:
         from jax._src.random import threefry2x32 as threefry
 
@@ -92,11 +98,17 @@ def unrolled_threefry() -> Iterator[None]:
     except (ImportError, AttributeError):
         yield
         return
-    mlir.register_lowering(threefry.threefry2x32_p, unrolled, platform="cpu")
+    with _threefry_lock:
+        if not _threefry_blocks:
+            mlir.register_lowering(threefry.threefry2x32_p, unrolled, platform="cpu")
+        _threefry_blocks += 1
     try:
         yield
     finally:
-        mlir.register_lowering(threefry.threefry2x32_p, rolled, platform="cpu")
+        with _threefry_lock:
+            _threefry_blocks -= 1
+            if not _threefry_blocks:
+                mlir.register_lowering(threefry.threefry2x32_p, rolled, platform="cpu")
 
 
 def nbytes(aval: Any) -> int:
