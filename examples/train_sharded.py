@@ -44,33 +44,11 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from models import Transformer  # noqa: E402  (models.py, next to this file)
+from train_flax import LENGTH, VOCAB, copy_batch, make_train_step  # noqa: E402  (the copying task)
 
 from oocjax import ooc_jit  # noqa: E402
 from oocjax.schedule import format_bytes  # noqa: E402
 from oocjax.transforms.execute import observe_segments  # noqa: E402
-
-VOCAB, LENGTH = 32, 64
-
-
-def copy_batch(key, batch):
-    """Sequences whose second half repeats the first: a loss that falls once attention looks back."""
-    half = jax.random.randint(key, (batch, LENGTH // 2), 1, VOCAB)
-    return jnp.concatenate([half, half], axis=1)
-
-
-def make_train_step(model, optimizer):
-    def loss_fn(params, tokens):
-        logits = model.apply(params, tokens[:, :-1])
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-        return losses[:, LENGTH // 2 :].mean()
-
-    def train_step(state, tokens):
-        params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
-    return train_step
 
 
 class PerDevicePeak:
