@@ -4,16 +4,22 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 
+import oocjax
 from oocjax import ooc_jit
 from oocjax.arguments import layouts_key
 from oocjax.schedule import Program, keep_all
 from oocjax.schedule.segments import GatheringStep, SegmentCost, cut_segments, with_measured_scratch
+from oocjax.transforms import execute
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,3 +109,69 @@ def test_without_a_mesh_the_signature_holds_no_layout():
     assert layouts_key([None, None]) is None
     with jax.set_mesh(one_device_mesh("a")):
         assert layouts_key([None, None]) == (one_device_mesh("a"),)
+
+
+# -- jax_debug_nans on a mesh -----------------------------------------------------------------------
+
+DEBUG_NANS_ON_A_MESH = """
+import json, sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import oocjax
+from oocjax import ooc_jit
+
+mesh = jax.make_mesh((2,), ("data",))
+rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+
+def nan_step(params, x):
+    h = jnp.log(x @ params["w"] - 1e3)  # the log of a negative number: NaN
+    return jnp.sum(h @ params["v"]) + 0.0 * jnp.sum(jnp.exp(1.5) * x)
+
+params = jax.device_put({"w": jnp.ones((256, 256)), "v": jnp.ones((256, 256))}, replicated)
+x = jax.device_put(jnp.ones((256, 256)), rows)
+step = ooc_jit(nan_step, budget=5 * 256 * 256 * 4, min_offload_bytes=1024, min_segments=2)
+plan = step.plan(oocjax.to_host(params), x)
+report = dict(devices=len(jax.devices()), mesh=plan.mesh, segments=len(plan.segments))
+with jax.debug_nans(True):
+    try:
+        step(oocjax.to_host(params), x)
+        report["raised"] = None
+    except FloatingPointError as error:
+        report["raised"] = "FloatingPointError"
+        report["text"] = str(error) + "\\n".join(getattr(error, "__notes__", []))
+    except Exception as error:
+        report["raised"] = type(error).__name__
+        report["text"] = str(error)[:2000]
+# Without NaNs, the checked segments compute what the chain does, in the chain's layouts.
+finite = {"w": params["w"] * 10.0, "v": params["v"]}  # log(2560 - 1000)
+expected = step(oocjax.to_host(finite), x)
+with jax.debug_nans(True):
+    checked = step(oocjax.to_host(finite), x)
+report["same"] = bool(jnp.allclose(checked, expected))
+print(json.dumps(report))
+"""
+
+
+def test_jax_debug_nans_on_a_mesh_runs_each_segment_in_its_layout_and_names_the_operation():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", DEBUG_NANS_ON_A_MESH], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["devices"] == 2 and report["mesh"].startswith("2 devices") and report["segments"] >= 2
+    assert report["raised"] == "FloatingPointError", report.get("text")
+    assert "log" in report["text"], report["text"]
+    assert report["same"]
+
+
+def test_on_one_device_transfers_skip_the_per_array_checks_of_a_mesh(monkeypatch):
+    def refused(values, targets):
+        raise AssertionError("memories.put on one device: its per-array checks cost every transfer")
+
+    monkeypatch.setattr(execute, "put", refused)
+    params = {"w": jnp.ones((256, 256)) * 1e-3, "v": jnp.ones((256, 256))}
+    step = ooc_jit(lambda p, x: jnp.sum((x @ p["w"]) @ p["v"]), budget=4 * 256 * 256 * 4, min_offload_bytes=1024)
+    plan = step.plan(oocjax.to_host(params), jnp.ones((256, 256)))
+    assert plan.segments and any(s.prefetches for s in plan.segments)
+    assert jnp.allclose(step(oocjax.to_host(params), jnp.ones((256, 256))), 256 * 256 * 256 * 0.256)

@@ -332,7 +332,7 @@ class ChainExecutor:
             # On a mesh, each value comes back in its own layout, as the segment was compiled for it.
             target = self.device if self.chain.shardings is None else [self.chain.shardings[b] for b in run.prefetches]
             with jax.profiler.TraceAnnotation(run.names[1]):
-                copies = put([slots[b + host_offset] for b in run.prefetches], target)
+                copies = self._put([slots[b + host_offset] for b in run.prefetches], target)
             for b, x in zip(run.prefetches, copies):
                 slots[b] = x
                 memory.hold(x, slot_bytes[b], owned=True)
@@ -356,13 +356,20 @@ class ChainExecutor:
             # On a mesh, each shard is copied to its own device's host memory: the layout stays.
             target = self.host if self.chain.shardings is None else [_in_host(x) for x in leaving]
             with jax.profiler.TraceAnnotation(run.names[2]):
-                copies = put(leaving, target)
+                copies = self._put(leaving, target)
             del leaving
             for b, copy, last in zip(run.offloads, copies, run.dropped_after_offload):
                 slots[b + host_offset] = copy
                 if last:
                     memory.release([slots[b]], probe=copy)
                     slots[b] = None
+
+    def _put(self, values: list[Any], target: Any) -> list[Any]:
+        """One batch of copies. On one device, ``jax.device_put`` itself: ``memories.put``'s
+        per-array checks are for arrays that span processes, and would cost every transfer."""
+        if self.chain.shardings is None:
+            return jax.device_put(values, target)
+        return put(values, target)
 
     def _launch(self, run: SegmentRun, inputs: list[Any]) -> list[Any]:
         """Launches a segment once there is room for it; its results."""
@@ -414,10 +421,19 @@ class ChainExecutor:
     def _checked(self, segment: int) -> Callable:
         """The segment as ``jax.jit`` runs it under ``jax_debug_nans`` / ``_infs``: donating nothing,
         so that on a NaN or inf jax can run its equations again one by one and raise a
-        ``FloatingPointError`` naming the operation (``transforms.segment`` adds the source line)."""
+        ``FloatingPointError`` naming the operation (``transforms.segment`` adds the source line).
+        On a mesh it keeps the segment's layout: each input and output in its buffer's sharding,
+        the literals as they were placed (replicated)."""
         if segment not in self._checked_functions:
-            function, device = self.functions[segment].__wrapped__, self.device
-            self._checked_functions[segment] = jax.jit(function, in_shardings=device, out_shardings=device)
+            function, shardings = self.functions[segment].__wrapped__, self.chain.shardings
+            if shardings is None:
+                inputs: Any = self.device
+                outputs: Any = self.device
+            else:
+                run = self.chain.runs[segment]
+                inputs = (*(shardings[b] for b in run.inputs), *(x.sharding for x in run.literals))
+                outputs = tuple(shardings[b] for b in run.outputs)
+            self._checked_functions[segment] = jax.jit(function, in_shardings=inputs, out_shardings=outputs)
         return self._checked_functions[segment]
 
     def _measure(self, peak_before: int | None) -> None:
