@@ -8,7 +8,7 @@ from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from oocjax.schedule import Buffer, Offload, Prefetch, Program, Schedule, Step
-from oocjax.schedule.segments import Segment, SegmentCost
+from oocjax.schedule.segments import GatheringStep, Segment, SegmentCost
 
 if TYPE_CHECKING:
     from oocjax.plan import Plan
@@ -107,7 +107,11 @@ def _schedule(schedule: Schedule) -> dict:
 
 
 def _read_program(saved: dict) -> Program:
-    steps = tuple(Step(**(s | {"reads": tuple(s["reads"]), "writes": tuple(s["writes"])})) for s in saved["steps"])
+    def step(s: dict) -> Step:  # a contraction over a sharded dimension saves what it gathers
+        kind = GatheringStep if "gathered_bytes" in s else Step
+        return kind(**(s | {"reads": tuple(s["reads"]), "writes": tuple(s["writes"])}))
+
+    steps = tuple(step(s) for s in saved["steps"])
     return Program(steps=steps, buffers=tuple(Buffer(**buffer) for buffer in saved["buffers"]))
 
 

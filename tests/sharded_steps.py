@@ -20,7 +20,8 @@ import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oocjax import ooc_jit
+from oocjax import Plan, ooc_jit
+from oocjax.schedule.segments import GatheringStep
 from oocjax.transforms import execute
 from oocjax.transforms.execute import observe_segments
 
@@ -252,6 +253,8 @@ def run(layout: str) -> dict:
             result_kinds=sorted({x.sharding.memory_kind for x in leaves}),
             sizes_match_shards=bool(sizes_ok),
             second_call_reuses_plan=again,
+            gathering_steps=sum(isinstance(step, GatheringStep) for step in plan.program.steps),
+            json_keeps_the_program=Plan.from_json(plan.to_json(full=True)).program == plan.program,
             held_arrays_off_their_planned_bytes=mismatches,
             shard_map_steps=sum(step.name == "shard_map" for step in plan.program.steps),
             layers=DEPTHS.get(layout, 4),
