@@ -15,25 +15,26 @@ import json
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-process, processes, port = (int(a) for a in sys.argv[1:4])
-jax.distributed.initialize(f"localhost:{port}", num_processes=processes, process_id=process)
+from oocjax import ooc_jit
+from oocjax.transforms import calibrate
 
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from oocjax import ooc_jit  # noqa: E402
-from oocjax.transforms import calibrate  # noqa: E402
+def join(process: int, processes: int, port: int) -> None:
+    """Joins the other processes (before anything touches a device)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=processes, process_id=process)
+    if process == 1:
+        # A process that measures its devices' arithmetic as much faster than process 0 does: left
+        # to itself it would choose to recompute where process 0 moves, and launch other programs.
+        measured_rate = calibrate._matmul_rate
+        calibrate._matmul_rate = lambda *args: 1000 * measured_rate(*args)
 
-if process == 1:
-    # A process that measures its devices' arithmetic as much faster than process 0 does: left to
-    # itself it would choose to recompute where process 0 moves, and launch other programs.
-    measured_rate = calibrate._matmul_rate
-    calibrate._matmul_rate = lambda *args: 1000 * measured_rate(*args)
 
 WIDTH, BATCH, DEPTH = 256, 64, 4
 optimizer = optax.adam(1e-2)
@@ -59,7 +60,7 @@ def global_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
-def main() -> None:
+def main(process: int) -> None:
     mesh = jax.make_mesh((len(jax.devices()),), ("data",), axis_types=(AxisType.Auto,))
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     rng = np.random.default_rng(0)  # the same values in every process
@@ -119,4 +120,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    process, processes, port = (int(a) for a in sys.argv[1:4])
+    join(process, processes, port)
+    main(process)
