@@ -216,10 +216,14 @@ class StepPlanner:
         process made them (``oocjax.plan_cache``), else made (``_make``) and stored there."""
         options, traced = self.options, self.traced
         name = plan_cache.key(
-            str(traced.jaxpr), traced.donated, self.held_by_caller, budget, options, options.recompute
+            str(traced.jaxpr),
+            traced.donated,
+            self.held_by_caller,
+            budget,
+            options,
+            options.recompute,
+            _placement(traced),
         )
-        if traced.layout is not None:
-            name = None  # the stored entries do not record shardings yet: a mesh's step is planned anew
         entry = plan_cache.load(name)
         if entry is not None:
             programs = [plan_cache.deserialize(p) for p in entry.pop("executables")]
@@ -325,6 +329,16 @@ def _layout(traced: TracedStep, rewrite: Any) -> Layout | None:
     if traced.layout is None or not rewrite.recomputed:
         return traced.layout
     return traced.layout.for_rewrite(rewrite.origin_buffer)
+
+
+def _placement(traced: TracedStep) -> tuple | None:
+    """What a stored plan of a step on a mesh was compiled for: every buffer's sharding, the mesh's
+    devices in order, and this process (compiled programs name their devices)."""
+    if traced.layout is None:
+        return None
+    mesh = traced.layout.replicated.mesh
+    devices = tuple(d.id for d in mesh.devices.flat)
+    return repr(traced.layout.shardings), devices, jax.process_index(), jax.process_count()
 
 
 def _labels(program: Program) -> list[str]:

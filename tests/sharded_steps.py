@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import tempfile
 from collections import defaultdict
 from math import prod
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oocjax import Plan, ooc_jit
+from oocjax.pipeline import StepPlanner
 from oocjax.schedule.segments import GatheringStep
 from oocjax.transforms import execute
 from oocjax.transforms.execute import observe_segments
@@ -281,7 +284,31 @@ def run(layout: str) -> dict:
             report["two_meshes"] = f"{type(error).__name__}: {error}"
         report["closed_over"] = closed_over_sharded_constant(fn, state, batch, int(in_core * 0.6))
         report["host_budget"] = host_budget_per_process(fn, state, batch, int(in_core * 0.35))
+        report["plan_cache"] = stored_and_read_back(fn, state, batch, int(in_core * 0.35))
     return report
+
+
+def stored_and_read_back(fn, state, batch, budget: int) -> dict:
+    """With JAX's persistent cache directory set, a sharded step's plan and programs are stored,
+    and a fresh wrapper reads them back (it plans and compiles nothing) and gives the same result."""
+    made = []
+    real_make = StepPlanner._make
+    StepPlanner._make = lambda self, budget: made.append(1) or real_make(self, budget)
+    try:
+        with tempfile.TemporaryDirectory() as cache:
+            jax.config.update("jax_compilation_cache_dir", cache)
+            results = [
+                ooc_jit(fn, budget=budget, donate_argnums=0, min_offload_bytes=4096)(copied(state), batch)
+                for _ in range(2)
+            ]
+            stored = len(list((Path(cache) / "oocjax").glob("*.pkl")))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        StepPlanner._make = real_make
+    first, second = (jax.tree.leaves(r) for r in results)
+    same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, second))
+    shardings = all(a.sharding == b.sharding for a, b in zip(first, second))
+    return dict(made=len(made), stored=stored, same_results=same, same_shardings=shardings)
 
 
 def host_budget_per_process(fn, state, batch, budget: int) -> dict:

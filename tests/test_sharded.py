@@ -135,3 +135,9 @@ def test_host_memory_is_counted_for_every_device_of_the_process():
     host = measured("data")["host_budget"]
     assert host["per_device"] > 0 and host["just_enough"] == "planned"
     assert host["one_byte_short"].startswith("OocError: the plan needs") and "of host memory" in host["one_byte_short"]
+
+
+def test_a_sharded_steps_plan_is_stored_and_read_back_by_a_fresh_wrapper():
+    cached = measured("data")["plan_cache"]
+    assert cached["stored"] == 1 and cached["made"] == 1  # the second wrapper planned and compiled nothing
+    assert cached["same_results"] and cached["same_shardings"]
