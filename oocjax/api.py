@@ -201,8 +201,9 @@ class OocJitted:
         if built.executor is None:
             specs = self.arguments.device_specs(args, kwargs)
             return self._jitted.trace(*specs[0], **specs[1]).lower(lowering_platforms=lowering_platforms)
+        # Types alone: each segment function places its arguments itself (on a mesh, in its layout).
         return tuple(
-            function.trace(*specs).lower(lowering_platforms=lowering_platforms)
+            function.trace(*(_unplaced(s) for s in specs)).lower(lowering_platforms=lowering_platforms)
             for function, specs in zip(built.segment_functions, segment_specs(built.plan.jaxpr))
         )
 
@@ -225,6 +226,10 @@ class OocJitted:
                     traced, self.budget_bytes, self.options, held_by_caller=held, host_bytes_in_use=on_host
                 )
             return traced, self._planners[key]
+
+
+def _unplaced(spec: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(spec.shape, spec.dtype, weak_type=spec.weak_type)
 
 
 def _name(fun: Callable) -> str:

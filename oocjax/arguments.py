@@ -93,7 +93,14 @@ class ArgumentSpec:
     def device_specs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Abstract arguments on the device, whatever memory the real ones are in: a step traces the
         same for state kept on host as for state on the device."""
-        return self.map_dynamic(lambda x: spec(x, "device"), args, kwargs)
+        on_mesh = any(layout(x) is not None for x in jax.tree.leaves(self.dynamic(args, kwargs)))
+
+        def device_spec(x: Any) -> jax.ShapeDtypeStruct:
+            if on_mesh and layout(x) is None:  # beside mesh leaves: left to jax.jit to place (replicated)
+                return jax.ShapeDtypeStruct(*abstract(x)[:2], weak_type=abstract(x)[2])
+            return spec(x, "device")
+
+        return self.map_dynamic(device_spec, args, kwargs)
 
     def label(self, path: tuple, num_args: int) -> str:
         """``state['params']['w']`` for a leaf (at ``path`` in ``jax.jit``'s ``args_info``) of the

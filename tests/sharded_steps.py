@@ -258,6 +258,7 @@ def run(layout: str) -> dict:
             second_call_reuses_plan=again,
             gathering_steps=sum(isinstance(step, GatheringStep) for step in plan.program.steps),
             json_keeps_the_program=Plan.from_json(plan.to_json(full=True)).program == plan.program,
+            lowered_on_the_mesh=lowered_on_the_mesh(jitted, state, batch, len(plan.segments)),
             held_arrays_off_their_planned_bytes=mismatches,
             shard_map_steps=sum(step.name == "shard_map" for step in plan.program.steps),
             layers=DEPTHS.get(layout, 4),
@@ -309,6 +310,14 @@ def stored_and_read_back(fn, state, batch, budget: int) -> dict:
     same = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, second))
     shardings = all(a.sharding == b.sharding for a, b in zip(first, second))
     return dict(made=len(made), stored=stored, same_results=same, same_shardings=shardings)
+
+
+def lowered_on_the_mesh(jitted, state, batch, segments: int) -> bool:
+    """``step.lower`` gives one program per segment (or jax.jit's one), taking its arguments in their layouts."""
+    lowered = jitted.lower(state, batch)
+    programs = lowered if isinstance(lowered, tuple) else (lowered,)  # jax.jit's one program at 100%
+    first = jax.tree.leaves(programs[0].compile().input_shardings[0])
+    return len(programs) == max(segments, 1) and all(len(s.device_set) == len(jax.devices()) for s in first)
 
 
 def host_budget_per_process(fn, state, batch, budget: int) -> dict:

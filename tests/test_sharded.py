@@ -77,6 +77,7 @@ def test_a_plan_on_a_mesh_says_so_and_counts_per_device(layout):
         assert report["in_core_bytes"] < report["argument_global_bytes"]
         assert run["gathering_steps"] > 0  # products over the sharded 'model' dimension
     assert run["json_keeps_the_program"]  # a saved plan reads back with its gathering steps
+    assert run["lowered_on_the_mesh"]  # step.lower: a program per segment, its arguments in their layouts
 
 
 def test_a_shard_map_call_runs_whole_with_its_bodys_per_device_peak():
