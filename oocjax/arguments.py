@@ -97,7 +97,8 @@ class ArgumentSpec:
 
         def device_spec(x: Any) -> jax.ShapeDtypeStruct:
             if on_mesh and layout(x) is None:  # beside mesh leaves: left to jax.jit to place (replicated)
-                return jax.ShapeDtypeStruct(*abstract(x)[:2], weak_type=abstract(x)[2])
+                shape, dtype, weak_type = abstract(x)
+                return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak_type)
             return spec(x, "device")
 
         return self.map_dynamic(device_spec, args, kwargs)

@@ -19,7 +19,7 @@ from oocjax import ooc_jit
 from oocjax.arguments import layouts_key
 from oocjax.schedule import Program, keep_all
 from oocjax.schedule.segments import GatheringStep, SegmentCost, cut_segments, with_measured_scratch
-from oocjax.transforms import execute
+from oocjax.transforms import memories
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,10 +166,10 @@ def test_jax_debug_nans_on_a_mesh_runs_each_segment_in_its_layout_and_names_the_
 
 
 def test_on_one_device_transfers_skip_the_per_array_checks_of_a_mesh(monkeypatch):
-    def refused(values, targets):
-        raise AssertionError("memories.put on one device: its per-array checks cost every transfer")
+    def refused(x):
+        raise AssertionError("memories.put in one process: its per-array checks cost every transfer")
 
-    monkeypatch.setattr(execute, "put", refused)
+    monkeypatch.setattr(memories, "_spans_processes", refused)
     params = {"w": jnp.ones((256, 256)) * 1e-3, "v": jnp.ones((256, 256))}
     step = ooc_jit(lambda p, x: jnp.sum((x @ p["w"]) @ p["v"]), budget=4 * 256 * 256 * 4, min_offload_bytes=1024)
     plan = step.plan(oocjax.to_host(params), jnp.ones((256, 256)))

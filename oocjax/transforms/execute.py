@@ -332,7 +332,7 @@ class ChainExecutor:
             # On a mesh, each value comes back in its own layout, as the segment was compiled for it.
             target = self.device if self.chain.shardings is None else [self.chain.shardings[b] for b in run.prefetches]
             with jax.profiler.TraceAnnotation(run.names[1]):
-                copies = self._put([slots[b + host_offset] for b in run.prefetches], target)
+                copies = put([slots[b + host_offset] for b in run.prefetches], target)
             for b, x in zip(run.prefetches, copies):
                 slots[b] = x
                 memory.hold(x, slot_bytes[b], owned=True)
@@ -356,20 +356,13 @@ class ChainExecutor:
             # On a mesh, each shard is copied to its own device's host memory: the layout stays.
             target = self.host if self.chain.shardings is None else [_in_host(x) for x in leaving]
             with jax.profiler.TraceAnnotation(run.names[2]):
-                copies = self._put(leaving, target)
+                copies = put(leaving, target)
             del leaving
             for b, copy, last in zip(run.offloads, copies, run.dropped_after_offload):
                 slots[b + host_offset] = copy
                 if last:
                     memory.release([slots[b]], probe=copy)
                     slots[b] = None
-
-    def _put(self, values: list[Any], target: Any) -> list[Any]:
-        """One batch of copies. On one device, ``jax.device_put`` itself: ``memories.put``'s
-        per-array checks are for arrays that span processes, and would cost every transfer."""
-        if self.chain.shardings is None:
-            return jax.device_put(values, target)
-        return put(values, target)
 
     def _launch(self, run: SegmentRun, inputs: list[Any]) -> list[Any]:
         """Launches a segment once there is room for it; its results."""

@@ -49,24 +49,22 @@ def spec(x: Any, kind: str) -> jax.ShapeDtypeStruct:
 
 
 def put(values: Sequence[Any], targets: jax.sharding.Sharding | Sequence[jax.sharding.Sharding]) -> list[Any]:
-    """``jax.device_put(values, targets)`` in one batch, except that an array spanning several
-    processes, moved to another memory in its own layout, is copied shard by shard: ``device_put``
-    would run a resharding program across the processes for it (SPMD.md: 117 of them per step in a
-    two-process run), where each process can copy its own shards with no program."""
+    """``jax.device_put(values, targets)`` in one batch, except that in a run of several processes
+    an array spanning them, moved to another memory in its own layout, is copied shard by shard:
+    ``device_put`` would run a resharding program across the processes for it (SPMD.md: 117 of
+    them per step in a two-process run), where each process can copy its own shards with no
+    program. In one process, ``jax.device_put`` itself: no array is inspected on the hot path."""
+    if jax.process_count() == 1:
+        return jax.device_put(list(values), targets)
     targets = list(targets) if isinstance(targets, Sequence) else [targets] * len(values)
-    by_shard = [_spans_processes(x) and _same_layout(x, target) for x, target in zip(values, targets, strict=True)]
+    by_shard = [_spans_processes(x) and _same_layout(x, t) for x, t in zip(values, targets, strict=True)]
     whole = [i for i, shard_wise in enumerate(by_shard) if not shard_wise]
-    moved: list[Any] = [None] * len(values)
-    if whole:
-        copies = jax.device_put([values[i] for i in whole], [targets[i] for i in whole])
-        for i, copy in zip(whole, copies, strict=True):
-            moved[i] = copy
+    moved = dict(zip(whole, jax.device_put([values[i] for i in whole], [targets[i] for i in whole]), strict=True))
     for i in (i for i, shard_wise in enumerate(by_shard) if shard_wise):
         shards = [s.data for s in values[i].addressable_shards]
-        kind = targets[i].memory_kind
-        copies = jax.device_put(shards, [s.sharding.with_memory_kind(kind) for s in shards])
+        copies = jax.device_put(shards, [s.sharding.with_memory_kind(targets[i].memory_kind) for s in shards])
         moved[i] = jax.make_array_from_single_device_arrays(values[i].shape, targets[i], copies)
-    return moved
+    return [moved[i] for i in range(len(values))]
 
 
 def _spans_processes(x: Any) -> bool:
