@@ -24,6 +24,11 @@ class BudgetInfeasibleError(OocError, ValueError):
         self.step = step
         self.where = where
 
+    def with_message(self, message: str) -> BudgetInfeasibleError:
+        """The same finding (budget, floor, operation), told another way."""
+        found = dict(budget_bytes=self.budget_bytes, required_bytes=self.required_bytes, step=self.step)
+        return BudgetInfeasibleError(message, **found, where=self.where)
+
 
 class UnsupportedPrimitiveError(OocError, NotImplementedError):
     """A higher-order primitive oocjax has no rule for; guessing could give wrong sizes."""

@@ -499,13 +499,7 @@ def _plan(program: Program, budget: Budget, options: PlannerOptions, history: li
         schedule = plan_window(program, budget.planned_bytes, **options.window)
     except BudgetInfeasibleError as error:  # with what the compiled segments measured, the budget is too small
         message = _over_budget_message(budget.planned_bytes, history, error.required_bytes) + worst
-        raise BudgetInfeasibleError(
-            message,
-            budget_bytes=error.budget_bytes,
-            required_bytes=error.required_bytes,
-            step=error.step,
-            where=error.where,
-        ) from error
+        raise error.with_message(message) from error
     _refuse_invalid("plan", validate(program, schedule))
     return schedule
 
@@ -538,13 +532,7 @@ def _refuse_infeasible(program: Program, error: BudgetInfeasibleError, budget: B
             f"\nThe plan leaves {format_bytes(budget.headroom_bytes)} of the budget free for the device "
             "allocator's own overhead (headroom_bytes): the budget must cover both."
         )
-    raise BudgetInfeasibleError(
-        str(error) + note,
-        budget_bytes=error.budget_bytes,
-        required_bytes=error.required_bytes,
-        step=error.step,
-        where=error.where,
-    ) from None
+    raise error.with_message(str(error) + note) from None
 
 
 def _refuse_for_held_arguments(program: Program, error: BudgetInfeasibleError, options: PlannerOptions) -> None:
@@ -564,17 +552,13 @@ def _refuse_for_held_arguments(program: Program, error: BudgetInfeasibleError, o
     )
     more = f"\n  ... and {len(held) - 10} more" if len(held) > 10 else ""
     total = format_bytes(sum(program.buffers[b].nbytes for b in held))
-    raise BudgetInfeasibleError(
+    raise error.with_message(
         f"a budget of {format_bytes(error.budget_bytes)} cannot hold the step together with the arguments "
         f"you keep on the device ({total}: passed in device memory and not donated, so they stay there for the "
         f"whole step):\n{listed}{more}\n"
         "Fixes:\n  1. donate them (donate_argnums), so that the step may move them;\n"
         "  2. pass them in host memory: oocjax.to_host(x), or jax.device_put(x, jax.memory.Space.Host);\n"
-        f"  3. raise the budget to at least {format_bytes(error.required_bytes)}.",
-        budget_bytes=error.budget_bytes,
-        required_bytes=error.required_bytes,
-        step=error.step,
-        where=error.where,
+        f"  3. raise the budget to at least {format_bytes(error.required_bytes)}."
     ) from None
 
 
