@@ -140,10 +140,23 @@ def gpt2(
     seq: int = 1024,
     vocab: int = 50257,
     dtype: Any = jnp.bfloat16,
+    remat_policy: Callable | None = None,
 ) -> Workload:
-    """A GPT-2-style decoder; ``dtype`` is the compute dtype (parameters are float32 either way)."""
-    model = Transformer(vocab=vocab, width=width, heads=heads, layers=layers, causal=True, dtype=dtype)
+    """A GPT-2-style decoder; ``dtype`` is the compute dtype (parameters are float32 either way).
+    With ``remat_policy`` every block runs in ``nn.remat`` under it, as a user writes per-block remat
+    (the same parameters as without)."""
+    model = Transformer(
+        vocab=vocab,
+        width=width,
+        heads=heads,
+        layers=layers,
+        causal=True,
+        dtype=dtype,
+        remat=remat_policy is not None,
+        remat_policy=remat_policy,
+    )
     suffix = "" if jnp.dtype(dtype) == jnp.bfloat16 else f"-{jnp.dtype(dtype).name}"
+    suffix += "" if remat_policy is None else "-remat"
     return _language_model(f"gpt2-{layers}x{width}-b{batch}-s{seq}{suffix}", model, batch, seq)
 
 

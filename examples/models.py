@@ -142,7 +142,9 @@ class Transformer(nn.Module):
 
     The blocks run as a Python loop, or with ``scan=True`` as ``nn.scan`` over one block with the
     parameters stacked on a leading ``[layers, ...]`` axis (as large models are written, to keep
-    compile time flat in depth); ``remat=True`` wraps each block in ``nn.remat``."""
+    compile time flat in depth); ``remat=True`` wraps each block in ``nn.remat``, under
+    ``remat_policy`` where one is given (a ``jax.checkpoint_policies`` policy; by default nothing is
+    saved). Blocks are named ``Block_<i>`` either way, so a remat'd model has the plain one's parameters."""
 
     vocab: int
     width: int
@@ -156,6 +158,7 @@ class Transformer(nn.Module):
     dtype: Any = None
     scan: bool = False
     remat: bool = False
+    remat_policy: Callable | None = None
 
     @nn.compact
     def __call__(self, tokens, train: bool = True):
@@ -176,9 +179,9 @@ class Transformer(nn.Module):
             blocks = nn.scan(body, variable_axes={"params": 0}, split_rngs=split, length=self.layers)
             x, _ = blocks(block, train)(x, None)
         else:
-            layer = nn.remat(Block, static_argnums=(2,)) if self.remat else Block  # train is static
-            for _ in range(self.layers):
-                x = layer(**block)(x, train)
+            layer = nn.remat(Block, policy=self.remat_policy, static_argnums=(2,)) if self.remat else Block
+            for i in range(self.layers):  # train (argument 2) is static
+                x = layer(**block, name=f"Block_{i}")(x, train)
         if self.final_norm:
             x = nn.LayerNorm(dtype=self.dtype)(x)
         return nn.Dense(self.vocab, dtype=self.dtype)(x)
