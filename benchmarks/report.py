@@ -217,7 +217,7 @@ GPU_ROWS = (  # configuration, how the table names it
     ("remat_dots_saveable_capped", "per-block `nn.remat`, `dots_saveable`"),
     ("remat_offload_dots_capped", 'per-block `nn.remat`, `offload_dot_with_no_batch_dims("device", "pinned_host")`'),
     ("remat_nothing_saveable", "`jax.checkpoint` of the whole loss, `nothing_saveable`"),
-    ("remat_offload_dots", '`jax.checkpoint` of the whole loss, `offload_dot_with_no_batch_dims(...)`'),
+    ("remat_offload_dots", "`jax.checkpoint` of the whole loss, `offload_dot_with_no_batch_dims(...)`"),
 )
 
 
