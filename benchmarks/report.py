@@ -95,7 +95,7 @@ def section() -> str:
             ),
             "",
         ]
-    found = latest("executor_overhead")
+    found = latest("executor_overhead-cpu")
     if found:
         name, r = found
         m, rows, moves = r["model"], r["rows"], r["with_moves"]
@@ -110,6 +110,20 @@ def section() -> str:
             f"{moves['moved_bytes'] / 2**20:.1f} MiB moved, {moves['recomputed']} values recomputed): "
             f"{moves['s_per_step'] * 1e3:.1f} ms a step, {moves['vs_back_to_back']:.2f}x its segments back to back "
             f"({moves['back_to_back_s'] * 1e3:.1f} ms; `jax.jit` {moves['jit_s'] * 1e3:.1f} ms).",
+            "",
+        ]
+    found = latest("executor_overhead-gpu")
+    if found:
+        name, r = found
+        rows, moves = r["rows"], r["with_moves"]
+        costs = ", ".join(f"{row['segments']}: {row['executor_us_per_segment']:.0f} us" for row in rows)
+        lines += [
+            f"**Executor overhead on a GPU** (`{name}`; {r['device']}, host {where(r)}; jax {r['jax']}): the same "
+            f"MLP step ({r['jit_s_per_step'] * 1e3:.2f} ms under `jax.jit`) costs (N: time per segment) {costs}. "
+            f"{moves['model']} at 30% ({moves['segments']} segments, {moves['moved_bytes'] / 2**20:.1f} MiB moved): "
+            f"{moves['s_per_step'] * 1e3:.1f} ms a step, {moves['vs_back_to_back']:.2f}x its segments back to back "
+            f"({moves['back_to_back_s'] * 1e3:.2f} ms; `jax.jit` {moves['jit_s'] * 1e3:.2f} ms): with moves, every "
+            "wait drains the GPU's queue, which a CPU, where copies are memcpys, does not show.",
             "",
         ]
     found = latest("first_call")
@@ -181,10 +195,10 @@ def section() -> str:
                 f"{_slowdown(half.get('h100-pcie'))} | {_slowdown(half.get('gh200'))} |"
             )
         lines.append("")
-    found = latest_gpu_check()
-    if found:
-        lines += gpu_check_lines(*found)
-    else:
+    found = latest_gpu_checks()
+    for record in found:
+        lines += [*gpu_check_lines(*record), ""]
+    if not found:
         lines.append(
             "**Measured on GPUs**: nothing yet; `benchmarks/gpu_check.py` records it where a GPU is available."
         )
@@ -197,15 +211,18 @@ def _median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-def latest_gpu_check() -> tuple[str, dict] | None:
-    """The newest ``gpu-*.json`` that ``gpu_check.py`` wrote on a GPU (not a dry run)."""
+def latest_gpu_checks() -> list[tuple[str, dict]]:
+    """Per GPU kind, the newest ``gpu-*.json`` that ``gpu_check.py`` wrote on it (not a dry run), newest first."""
     records = [(p.name, json.loads(p.read_text())) for p in RESULTS.glob("gpu-*.json")]
     records = [
         (n, r)
         for n, r in records
         if r.get("benchmark") == "gpu_check" and not r.get("dry_run") and (r.get("link") or {}).get("platform") != "cpu"
     ]
-    return max(records, key=lambda nr: (nr[1]["date"], nr[1].get("started", ""), nr[0]), default=None)
+    newest: dict[str, tuple[str, dict]] = {}
+    for n, r in sorted(records, key=lambda nr: (nr[1]["date"], nr[1].get("started", ""), nr[0])):
+        newest[r.get("device") or "unknown"] = (n, r)
+    return sorted(newest.values(), key=lambda nr: (nr[1]["date"], nr[1].get("started", ""), nr[0]), reverse=True)
 
 
 GPU_ROWS = (  # configuration, how the table names it
