@@ -39,7 +39,7 @@ def test_the_memory_view_is_drawn_into_the_given_axes_and_returned(plan):
     assert list(lines["budget"].get_ydata()) == [16, 16]
     assert list(lines["offload"].get_xdata()) == [m.after_step for m in plan.schedule.offloads]
     assert list(lines["prefetch"].get_xdata()) == [m.issue_step for m in plan.schedule.prefetches]
-    assert right.get_legend() is not None and right.get_title() == "2 offloads, 4 arguments on host"
+    assert right.get_legend() is not None and right.get_title() == "2 offloads, 2 arguments on host"
 
 
 def test_with_a_profile_the_stream_view_joins_the_given_axes_figure(plan):

@@ -422,9 +422,10 @@ class _Pass:
 def _settle_homes(program: Program, schedule: Schedule) -> Schedule:
     """Decides where inputs and outputs live between steps, given the window plan.
 
-    * An input fetched once at step 0 and never dropped and fetched again is kept on the device
-      instead: same memory, no copy. (A kept input that is not donated occupies the device to the
-      end, so it is kept only where the budget still holds.)
+    * An input the device can hold from the start is kept there instead of on host, where the
+      budget still holds (``_inputs_kept_on_device``): the window starts every movable input on
+      host, which is right only for what does not fit. Without this, a budget a little below what
+      a plan needs with nothing moved sends the whole training state to host and back every step.
     * An output that replaces a donated input lives where that input lives, so the next call finds
       its state where the plan expects it. If the input stays on host while the output would be
       returned on the device, the output is returned on host: as the host copy its offload made,
@@ -457,27 +458,45 @@ def _settle_homes(program: Program, schedule: Schedule) -> Schedule:
 
 
 def _inputs_kept_on_device(program: Program, schedule: Schedule) -> set[int]:
-    """The host inputs fetched once, at step 0, whose output (if any) is not returned on host, and
-    that fit the budget held on the device to the end (a donated one is freed after its last read,
-    as its prefetched copy was)."""
-    n, uses = len(program.steps), program.uses
+    """The host inputs kept on the device instead, each where the planned timeline plus its bytes
+    stays within the budget, cheapest first.
+
+    A kept input occupies the device over its unmoved span (from step 0 to its last read if it is
+    donated, to the last step if not) where the plan held it only between each prefetch and its
+    reads; it saves its prefetches, and the offload that would return its output to a host home.
+    Cheapest: fewest added byte-steps per byte saved, so an input prefetched at step 0 and never
+    dropped (no added bytes) is always kept. An input whose output the plan returns on host stays
+    on host with it."""
+    last_step = len(program.steps) - 1
     aliased_output = {buf.aliased_input: b for b, buf in enumerate(program.buffers) if buf.aliased_input is not None}
-    device: list[int] | None = None  # the planned timeline, simulated only if a kept input needs it
-    kept: set[int] = set()
-    for b in sorted(schedule.host_inputs):
-        fetched = schedule.prefetches_by_buffer.get(b, ())
-        if len(fetched) != 1 or fetched[0].issue_step != 0:
-            continue
-        buffer = program.buffers[b]
-        if b in schedule.host_outputs or aliased_output.get(b) in schedule.host_outputs:
+    candidates = []  # (added byte-steps per byte saved, buffer, the steps it would add its bytes to)
+    for b in schedule.host_inputs:
+        output = aliased_output.get(b)
+        if b in schedule.host_outputs or output in schedule.host_outputs:
             continue  # its output stays on host: keep the input there too
-        if not buffer.donated:
-            if device is None:
-                device = list(simulate(program, schedule).device_bytes)
-            last_read = uses.read_at[b][-1]
-            if any(d + buffer.nbytes > schedule.budget_bytes for d in device[last_read + 1 :]):
-                continue
-            for step in range(last_read + 1, n):
-                device[step] += buffer.nbytes
+        nbytes, fetches = program.buffers[b].nbytes, len(schedule.prefetches_by_buffer.get(b, ()))
+        saved = nbytes * (fetches + (output is not None))
+        if not saved:
+            continue
+        gaps, covered = [], program.unmoved_spans[b][0]  # steps of the unmoved span the plan's stays leave out
+        for stay in schedule.device_stays(program, b):
+            if stay.start > covered:
+                gaps.append((covered, stay.start - 1))
+            covered = max(covered, min(stay.end, last_step) + 1)
+        if covered <= program.unmoved_spans[b][1]:
+            gaps.append((covered, program.unmoved_spans[b][1]))
+        added = nbytes * sum(end - start + 1 for start, end in gaps)
+        candidates.append((added / saved, b, gaps))
+    if not candidates:
+        return set()
+    budget = schedule.budget_bytes
+    device = list(simulate(program, schedule).device_bytes)
+    kept: set[int] = set()
+    for _, b, gaps in sorted(candidates):
+        nbytes = program.buffers[b].nbytes
+        if budget is not None and any(max(device[s : e + 1]) + nbytes > budget for s, e in gaps):
+            continue
+        for s, e in gaps:
+            device[s : e + 1] = [d + nbytes for d in device[s : e + 1]]
         kept.add(b)
     return kept
