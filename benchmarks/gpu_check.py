@@ -37,9 +37,10 @@ is the one where the peak rises most (it starts from the peak of planning), the 
 steady state. The second loss step samples the same without syncing (``boundaries``).
 
 Each step configuration runs a few steps recording their losses (the first compiles), then times
-more steps one by one; ``s_per_step`` is their median. About 3-5 minutes on an H100 or H200
-(~5 s to start JAX and ~20 s to compile, per process; ``ooc_jit`` compiles its segments when it
-plans); ``--deadline`` (330 s) skips what would start later, and each process has ``--timeout``.
+more steps one by one; ``s_per_step`` is their median. A process took 20-40 s on an H200 and
+96-113 s on the H100 machines lent on 2026-11-26 (about 70 s of it outside compiling and stepping),
+so all six configurations can take 11 minutes there: name the ones a run needs. ``--deadline``
+(330 s) skips what would start later, and each process has ``--timeout``.
 
     python benchmarks/gpu_check.py                  # on a GPU: writes benchmarks/results/gpu-<device>-<date>.json
     python benchmarks/gpu_check.py --out "$OUT"     # the same file name, in that folder

@@ -122,8 +122,8 @@ def section() -> str:
             f"MLP step ({r['jit_s_per_step'] * 1e3:.2f} ms under `jax.jit`) costs (N: time per segment) {costs}. "
             f"{moves['model']} at 30% ({moves['segments']} segments, {moves['moved_bytes'] / 2**20:.1f} MiB moved): "
             f"{moves['s_per_step'] * 1e3:.1f} ms a step, {moves['vs_back_to_back']:.2f}x its segments back to back "
-            f"({moves['back_to_back_s'] * 1e3:.2f} ms; `jax.jit` {moves['jit_s'] * 1e3:.2f} ms): with moves, every "
-            "wait drains the GPU's queue, which a CPU, where copies are memcpys, does not show.",
+            f"({moves['back_to_back_s'] * 1e3:.2f} ms; `jax.jit` {moves['jit_s'] * 1e3:.2f} ms). Why a step with moves "
+            "is so much slower than its programs back to back on the GPU was not measured.",
             "",
         ]
     found = latest("first_call")
@@ -166,10 +166,13 @@ def section() -> str:
             f"{auto['simulated_s']:.3f} s ({auto['vs_jax_jit']:.1f}x `jax.jit`) "
             f"moving {auto['moved_bytes'] / 2**30:.1f} GiB, "
             f"recomputing {auto['recomputed_values']} values for +{auto['extra_flops_pct']:.1f}% FLOPs. By the model "
-            f"the 1.3x target is {'met' if r['target']['met_by_model'] else 'not met'} by the current selector; the "
-            "GPU line itself is still to be measured with `benchmarks/gpu_check.py`.",
+            f"the 1.3x target is {'met' if r['target']['met_by_model'] else 'not met'} by the selector of that commit."
+            + _measured_since(r["date"]),
             "",
         ]
+    homes = sorted(RESULTS.glob("state_homes_model-*.json"))
+    if homes:
+        lines += _state_homes_lines([(f.name, json.loads(f.read_text())) for f in homes])
     found = latest("simulated")
     if found:
         name, r = found
@@ -203,6 +206,35 @@ def section() -> str:
             "**Measured on GPUs**: nothing yet; `benchmarks/gpu_check.py` records it where a GPU is available."
         )
     return "\n".join([BEGIN, *lines, END])
+
+
+def _measured_since(date: str) -> str:
+    """What the newest GPU check from ``date`` on measured for ``ooc_jit``, as a sentence ('' if none)."""
+    for name, r in latest_gpu_checks():
+        ooc = next((c for c in r["results"] if c["configuration"] == "ooc_jit_capped"), {})
+        if r["date"] >= date and ooc.get("vs_jax_jit"):
+            return f" Measured since on an {r['device']} (`{name}`, below): {ooc['vs_jax_jit']:.2f}x `jax.jit`."
+    return ""
+
+
+def _state_homes_lines(records: list[tuple[str, dict]]) -> list[str]:
+    """One sentence per ``state_homes_model`` file: the GPU GPT's plan at shares of a measured run's budget."""
+    ref = records[-1][1]["measured_reference"]
+    lines = [
+        f"**Where the state lives, by the model** (calibrated to `{ref['file']}`; not a GPU measurement): the GPU "
+        f'GPT planned with `recompute="auto"` at shares of that run\'s planned budget; moved per step, '
+        f"arguments kept on host, simulated step time against `jax.jit`'s measured {ref['jax_jit_s']:.3f} s "
+        f"(measured there: `ooc_jit` {ref['ooc_s']:.3f} s, {ref['ooc_plan']}).",
+        "",
+    ]
+    for name, r in records:
+        cells = "; ".join(
+            f"{row['share']:.0%}: {row['moved_bytes'] / 2**30:.2f} GiB, {row['arguments_on_host']} on host, "
+            f"{row['vs_jax_jit']:.2f}x"
+            for row in r["rows"]
+        )
+        lines += [f"- `{name}` ({where(r)}): {cells}.", ""]
+    return lines
 
 
 def _median(values: list[float]) -> float:
