@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import json
@@ -143,6 +144,7 @@ def run_step(config: dict) -> dict:
 
     from oocjax import ooc_jit
     from oocjax.transforms import execute
+    from oocjax.transforms.calibrate import measure_profile
 
     strategy, capped, expect_oom = ALL_CONFIGURATIONS[config["configuration"]]
     if config["configuration"] in ACCOUNT_ONLY_CONFIGURATIONS:
@@ -198,6 +200,15 @@ def run_step(config: dict) -> dict:
                 headroom_bytes=getattr(plan, "headroom_bytes", None),
                 plan=repr(plan),
                 plan_s=time.perf_counter() - started,
+                # Why the plan is what it is, for a reader without the device: what it planned for
+                # (less than the budget where a chain measured over it was planned again), the
+                # executed peak of each attempt, the rates it was chosen with, and its summary.
+                planned_for_bytes=plan.schedule.budget_bytes,
+                attempts=list(plan.attempts),
+                simulated_step_s=plan.step_time_s,
+                swap_only_simulated_s=plan.swap_only_time_s,
+                profile=dataclasses.asdict(measure_profile()),
+                summary=plan.summary()[:8000],
             )
             # ooc_jit moves each argument to the memory its plan wants it in, but does not free a donated
             # device array it copies to host: started on the device, the state kept on host would be held

@@ -102,6 +102,9 @@ def test_the_gpu_check_dry_run_runs_every_configuration_with_equal_losses(tmp_pa
     assert ooc["budget_bytes"] == int(0.5 * ooc["in_core_estimate_bytes"])
     assert 0 < ooc["planned_peak_bytes"] <= ooc["budget_bytes"] and ooc["offloads"] > 0
     assert ooc["executed_peak_bytes"] is None or ooc["executed_peak_bytes"] <= ooc["budget_bytes"]
+    # What a reader without the device needs to see why the plan is what it is.
+    assert ooc["planned_for_bytes"] <= ooc["budget_bytes"] and len(ooc["attempts"]) >= 1
+    assert ooc["profile"]["flops_per_s"] > 0 and ooc["summary"].startswith("oocjax plan")
     assert all(by[name]["compiled"]["argument_size_in_bytes"] > 0 for name in by if name != "ooc_jit_capped")
 
     table = report.gpu_check_lines(out.name, record)
