@@ -99,7 +99,7 @@ def section() -> str:
     if found:
         name, r = found
         m, rows, moves = r["model"], r["rows"], r["with_moves"]
-        costs = ", ".join(f"{row['segments']}: {row['executor_us_per_segment']:.0f} us" for row in rows)
+        costs = _per_segment(rows)
         lines += [
             f"**Executor overhead** (`{name}`; {where(r)}): a {m['layers']}-layer MLP step ({m['width']} wide, "
             f"batch {m['batch']}, {r['jit_s_per_step'] * 1e3:.1f} ms under `jax.jit`) forced into N segments with "
@@ -116,7 +116,7 @@ def section() -> str:
     if found:
         name, r = found
         rows, moves = r["rows"], r["with_moves"]
-        costs = ", ".join(f"{row['segments']}: {row['executor_us_per_segment']:.0f} us" for row in rows)
+        costs = _per_segment(rows)
         lines += [
             f"**Executor overhead on a GPU** (`{name}`; {r['device']}, host {where(r)}; jax {r['jax']}): the same "
             f"MLP step ({r['jit_s_per_step'] * 1e3:.2f} ms under `jax.jit`) costs (N: time per segment) {costs}. "
@@ -206,6 +206,11 @@ def section() -> str:
             "**Measured on GPUs**: nothing yet; `benchmarks/gpu_check.py` records it where a GPU is available."
         )
     return "\n".join([BEGIN, *lines, END])
+
+
+def _per_segment(rows: list[dict]) -> str:
+    """An executor_overhead record's rows as "N: time per segment", comma-separated."""
+    return ", ".join(f"{row['segments']}: {row['executor_us_per_segment']:.0f} us" for row in rows)
 
 
 def _measured_since(date: str) -> str:
