@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from oocjax.errors import BudgetInfeasibleError
 from oocjax.schedule import Offload, Prefetch, Program, keep_all, plan_window, required_bytes, simulate, validate
+from oocjax.schedule.window import _RangeMax
 from tests.programs import MiB, programs
 
 
@@ -89,3 +90,18 @@ def test_an_output_of_a_host_input_that_is_offloaded_already_is_returned_as_that
     timeline = simulate(program, schedule)
     assert timeline.device_bytes == (MiB,) * 10 + (4096, MiB)
     assert timeline.host_bytes == (2 * MiB,) * 12
+
+
+@given(
+    st.lists(st.integers(0, 100), min_size=1, max_size=40),
+    st.lists(st.tuples(st.integers(0, 39), st.integers(0, 39), st.integers(0, 50)), max_size=30),
+)
+def test_the_range_max_timeline_agrees_with_a_plain_list(values, operations):
+    timeline, plain = _RangeMax(values), list(values)
+    for a, b, value in operations:
+        start, stop = sorted((a % len(plain), b % len(plain)))
+        stop += 1
+        timeline.add(start, stop, value)
+        plain[start:stop] = [x + value for x in plain[start:stop]]
+        assert timeline.max(start, stop) == max(plain[start:stop])
+        assert timeline.max(0, len(plain)) == max(plain)
