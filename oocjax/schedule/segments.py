@@ -13,8 +13,9 @@ A segment trades timing fidelity for dispatch cost, and memory for both:
   prefetch issued earlier than planned would take memory early, and a wait cannot fall inside a
   compiled program.
 * **Memory.** A segment's device memory is coarser than the per-step model: its arguments live
-  through the whole program, its results are allocated when it is launched, and prefetches are
-  issued at its start. ``segment_bytes`` counts exactly that; a segment over the budget is split
+  through the whole program, its results are allocated when it is launched (new parameters
+  written over donated old ones excepted: XLA updates those in place), and prefetches are issued
+  at its start. ``segment_bytes`` counts exactly that; a segment over the budget is split
   in halves until it fits (a one-step segment is the per-step model, which the plan fits).
 * **Cost.** A segment whose work is under ``min_segment_flops`` is merged with the next one where
   no offload would have to be waited for inside it and the merged segment still fits: launching a
@@ -158,10 +159,14 @@ class _Segmenter:
         return sorted(waits, key=lambda m: m.after_step)
 
     def estimate(self, a: int, y: int) -> tuple[int, int]:
-        """(held bytes at launch, estimated device peak) of steps a..y-1 as one segment."""
+        """(held bytes at launch, estimated device peak) of steps a..y-1 as one segment.
+
+        Its results needed later are allocated when it is launched, except those written in place
+        of an argument donated to it (``_aliased_bytes``)."""
         nbytes, steps = self.nbytes, self.program.steps
         held = self.held_before[a]
         external = internal_peak = 0
+        results: list[int] = []  # needed after it
         ending: dict[int, int] = defaultdict(int)  # step -> internal bytes freed after it
         live = gathered = 0
         for k in range(a, y):
@@ -172,6 +177,7 @@ class _Segmenter:
                         held += size
                 elif stay.needed_after(y):
                     external += size
+                    results.append(stay.buffer)
                 else:
                     live += size
                     ending[stay.end] += size
@@ -182,7 +188,26 @@ class _Segmenter:
             else:
                 internal_peak = max(internal_peak, live + step.transient_bytes)
             live -= ending.pop(k, 0)
+        external -= self._aliased_bytes(a, y, results)
         return held, held + external + internal_peak + gathered
+
+    def _aliased_bytes(self, a: int, y: int, results: list[int]) -> int:
+        """Bytes of ``results`` of steps a..y-1 written over the memory of the step's arguments
+        they replace (``Buffer.aliased_input``: new parameters over the old), where those are
+        donated to this segment: XLA updates them in place. Other results of a donated argument's
+        type may take its memory too, but inside a fused program XLA often computes them into
+        scratch first (measured on the CPU), so no other result counts as in place."""
+        replacing = [(b, i) for b in results if (i := self.program.buffers[b].aliased_input) is not None]
+        if not replacing:
+            return 0
+        inputs = set(self._inputs(a, y))
+        return sum(self.nbytes[b] for b, i in replacing if i in inputs and self._owned_and_last_used(i, a, y))
+
+    def _inputs(self, a: int, y: int) -> tuple[int, ...]:
+        """The buffers steps a..y-1 read that exist before them, in order of first read."""
+        steps = self.program.steps[a:y]
+        defined_here = {b for step in steps for b in step.writes}
+        return tuple(dict.fromkeys(b for step in steps for b in step.reads if b not in defined_here))
 
     def prefetches(self, a: int, y: int, previous: int | None) -> tuple[int, ...]:
         """The buffers prefetched before steps a..y-1 run (``previous``: the start of the segment
@@ -204,9 +229,8 @@ class _Segmenter:
         return self.split_to_fit(a, middle, budget) + self.split_to_fit(middle, y, budget)
 
     def segment(self, a: int, y: int, previous: int | None) -> Segment:
-        steps = self.program.steps[a:y]
-        defined_here = {b for step in steps for b in step.writes}
-        inputs = tuple(dict.fromkeys(b for step in steps for b in step.reads if b not in defined_here))
+        defined_here = {b for step in self.program.steps[a:y] for b in step.writes}
+        inputs = self._inputs(a, y)
         held, estimate = self.estimate(a, y)
         return Segment(
             start=a,

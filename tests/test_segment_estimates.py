@@ -1,0 +1,75 @@
+"""A segment's memory estimate against what XLA allocates for it.
+
+New parameters written over the old ones they replace (``Buffer.aliased_input``, an optimizer's
+update of a donated state) take no memory of their own when the old ones are donated to the same
+segment: XLA updates them in place. The hand-worked program (sizes in MiB):
+
+    step 0  grad:   w, x -> g   (4)
+    step 1  update: w, g -> w2  (4; the new w, returned, replaces w)
+"""
+
+import jax
+import pytest
+
+from oocjax import ooc_jit
+from oocjax.schedule import MiB, Program, keep_all
+from oocjax.schedule.segments import cut_segments
+from tests.zoo import mlp_adam
+
+
+def optimizer_step(*, donated: bool) -> Program:
+    sizes = {"w": 4 * MiB, "x": MiB, "g": 4 * MiB, "w2": 4 * MiB}
+    ops = [("grad", ["w", "x"], ["g"]), ("update", ["w", "g"], ["w2"])]
+    return Program.from_ops(
+        ops,
+        sizes,
+        inputs=["w", "x"],
+        outputs=["w2"],
+        donated=["w"] if donated else [],
+        aliases={"w2": "w"} if donated else None,
+    )
+
+
+def one_segment(program: Program):
+    (segment,) = cut_segments(program, keep_all(program), budget_bytes=64 * MiB)
+    return segment
+
+
+def test_new_parameters_written_over_donated_old_ones_take_no_memory_of_their_own():
+    segment = one_segment(optimizer_step(donated=True))
+    assert segment.held_bytes == 5 * MiB  # w and x
+    assert segment.estimate_bytes == 5 * MiB + 4 * MiB  # and g while it lives; w2 is written over w
+
+
+def test_new_parameters_of_kept_old_ones_are_allocated_when_the_segment_is_launched():
+    segment = one_segment(optimizer_step(donated=False))
+    assert segment.estimate_bytes == 5 * MiB + 4 * MiB + 4 * MiB  # w2 beside w
+
+
+def test_a_segment_that_reads_the_old_parameters_again_later_does_not_count_them_replaced():
+    program = optimizer_step(donated=True)
+    segments = cut_segments(program, keep_all(program), budget_bytes=64 * MiB, cut_before=[1])
+    grad, update = segments
+    assert update.estimate_bytes == update.held_bytes  # w2 over w, donated here at its last read
+    assert grad.estimate_bytes == grad.held_bytes + 4 * MiB  # g, needed by the next segment
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.5])
+def test_xla_writes_the_new_parameters_over_the_donated_old_ones_as_the_estimate_counts(fraction):
+    """On the CPU, in every compiled segment that writes new parameters over donated old ones, XLA
+    aliases at least those bytes (``memory_analysis``), and the chain holds its budget."""
+    case = mlp_adam()
+    in_core = ooc_jit(case.step, budget=2**40).plan(case.state, case.batches[0]).baseline_peak_bytes
+    budget = int(in_core * fraction)
+    step = ooc_jit(case.step, budget=budget, donate_argnums=0, min_offload_bytes=4096)
+    plan = step.plan(case.state, case.batches[0])
+    buffers = plan.program.buffers
+    in_place = [
+        (sum(buffers[b].nbytes for b in segment.outputs if buffers[b].aliased_input in segment.donated), cost)
+        for segment, cost in zip(plan.segments, plan.segment_costs, strict=True)
+    ]
+    assert sum(nbytes for nbytes, _ in in_place) == sum(b.nbytes for b in buffers if b.aliased_input is not None)
+    for nbytes, cost in in_place:
+        assert cost.alias_bytes >= nbytes
+    assert plan.executed_peak_bytes <= budget
+    jax.block_until_ready(step(jax.tree.map(lambda x: x.copy(), case.state), case.batches[0]))
