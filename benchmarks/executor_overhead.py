@@ -59,7 +59,8 @@ def median_seconds(run, steps: int) -> float:
 
 def back_to_back(step, args):
     """A function running ``step``'s segment programs for ``args`` in a plain loop: the chain's
-    order and slots, no transfers (host slots hold device arrays), no waits, no account."""
+    order and slots, no transfers (host slots hold device arrays), no waits, no account. Called
+    with ``keep=True`` it returns every slot instead of the results (each program's inputs)."""
     (planner,) = step._planners.values()
     executor = planner.built.executor
     chain, device = executor.chain, sharding("device")
@@ -73,7 +74,7 @@ def back_to_back(step, args):
     calls = [(programs[id(run.program)], run) for run in chain.runs]
     host = chain.host_offset
 
-    def run_all():
+    def run_all(keep: bool = False):
         slots = [None] * chain.num_slots
         for slot, x in chain.constants:
             slots[slot] = x
@@ -87,8 +88,9 @@ def back_to_back(step, args):
                 slots[b] = x
             for b in run.offloads:
                 slots[b + host] = slots[b]
-        return [slots[r] for r in chain.results if isinstance(r, int)]
+        return slots if keep else [slots[r] for r in chain.results if isinstance(r, int)]
 
+    run_all.calls = calls
     return run_all
 
 
