@@ -215,15 +215,17 @@ class StepPlanner:
         """The step's plan and chain for ``budget``: read from the plan cache where an earlier
         process made them (``oocjax.plan_cache``), else made (``_make``) and stored there."""
         options, traced = self.options, self.traced
-        name = plan_cache.key(
-            str(traced.jaxpr),
-            traced.donated,
-            self.held_by_caller,
-            budget,
-            options,
-            options.recompute,
-            _placement(traced),
-        )
+        name = None
+        if plan_cache.directory() is not None:  # printing the jaxpr takes time (0.2 s at 24 layers): only for a cache
+            name = plan_cache.key(
+                str(traced.jaxpr),
+                traced.donated,
+                self.held_by_caller,
+                budget,
+                options,
+                options.recompute,
+                _placement(traced),
+            )
         entry = plan_cache.load(name)
         if entry is not None:
             programs = [plan_cache.deserialize(p) for p in entry.pop("executables")]

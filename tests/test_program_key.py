@@ -1,0 +1,45 @@
+"""Segments share a compiled program exactly when their jaxprs' keys are equal (``program_key``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oocjax.transforms.segment import program_key
+
+
+def key_of(f, *args):
+    return program_key(jax.make_jaxpr(f)(*args).jaxpr)
+
+
+x, y = jnp.ones((4, 3)), jnp.ones((4, 3))
+
+
+def test_the_same_step_traced_twice_has_one_key():
+    def f(a, b):
+        return jnp.tanh(a @ b.T).sum(axis=0) * 2.0
+
+    assert key_of(f, x, y) == key_of(f, x, y)
+    assert hash(key_of(f, x, y)) == hash(key_of(f, x, y))
+
+
+def test_programs_that_differ_anywhere_have_different_keys():
+    base = key_of(lambda a, b: (a - b).sum(axis=0), x, y)
+    assert key_of(lambda a, b: (b - a).sum(axis=0), x, y) != base  # how values flow
+    assert key_of(lambda a, b: (a - b).sum(axis=1), x, y) != base  # a parameter
+    assert key_of(lambda a, b: (a + b).sum(axis=0), x, y) != base  # a primitive
+    assert key_of(lambda a, b: (a - b).sum(axis=0), x[:2], y[:2]) != base  # a shape
+    assert key_of(lambda a, b: (a - b).sum(axis=0), x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)) != base
+
+
+def test_literals_and_parameters_equal_in_python_but_not_in_value_have_different_keys():
+    assert key_of(lambda a: a * 0.0, x) != key_of(lambda a: a * -0.0, x)
+    assert key_of(lambda a: a + np.float32(1.0), x) != key_of(lambda a: a + np.float32(2.0), x)
+    assert key_of(lambda a: jax.lax.cumsum(a, reverse=True), x) != key_of(lambda a: jax.lax.cumsum(a), x)
+
+
+def test_a_nested_jaxpr_is_keyed_by_what_it_computes():
+    def with_loop(step):
+        return lambda a: jax.lax.fori_loop(0, 3, lambda i, c: step(c), a)
+
+    assert key_of(with_loop(jnp.sin), x) == key_of(with_loop(jnp.sin), x)
+    assert key_of(with_loop(jnp.sin), x) != key_of(with_loop(jnp.cos), x)
