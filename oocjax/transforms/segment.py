@@ -220,24 +220,24 @@ def compile_segments(
     cache: dict | None = None,
     layout: Layout | None = None,
 ) -> tuple[list[Any], list[SegmentCost]]:
-    """One compiled program per segment; segments with the same jaxpr, donation and (on a mesh,
-    ``layout``) input and output shardings share one, also
+    """One compiled program per segment; segments with the same equations (``segment_key``),
+    donation and (on a mesh, ``layout``) input and output shardings share one, also
     with the programs in ``cache`` (from an earlier plan of the same step), which gains the new
-    ones. Distinct programs compile in parallel threads, each as soon as it is lowered (XLA
-    releases the GIL while it compiles); random bits are lowered unrolled (``jc.unrolled_threefry``)."""
+    ones. Only a new program's segment is traced. Distinct programs compile in parallel threads,
+    each as soon as it is lowered (XLA releases the GIL while it compiles); random bits are
+    lowered unrolled (``jc.unrolled_threefry``)."""
     cache = {} if cache is None else cache
     keys, compiling = [], {}
     with warnings.catch_warnings(), ThreadPoolExecutor() as pool, jc.unrolled_threefry():
         # A donated argument no output can reuse is still freed after the segment: not worth a warning.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         for segment, function in zip(segments, functions, strict=True):
-            traced = function.trace(*segment_specs(flat, segment, layout))
-            body = traced.jaxpr
-            key = (program_key(body.jaxpr), tuple(map(id, body.consts)), _donated(segment))
-            if layout is not None:  # the same jaxpr on other layouts is another program
+            key = (segment_key(flat, segment), _donated(segment))
+            if layout is not None:  # the same equations on other layouts are another program
                 key += (tuple(layout.shardings[b] for b in (*segment.inputs, -1, *segment.outputs) if b >= 0),)
             if key not in cache and key not in compiling:
-                # Compiled while the next segments are traced and lowered (Python, holding the GIL).
+                traced = function.trace(*segment_specs(flat, segment, layout))
+                # Compiled while the next segments are keyed, traced and lowered (Python, holding the GIL).
                 compiling[key] = pool.submit(traced.lower().compile)
             keys.append(key)
         cache.update((key, future.result()) for key, future in compiling.items())
@@ -245,12 +245,44 @@ def compile_segments(
     return programs, [_cost(program) for program in programs]
 
 
+def segment_key(flat: FlatProgram, segment: Segment) -> tuple:
+    """What a segment's function (``segment_functions``) compiles to, read off its equations
+    without tracing it: its inputs' types; per equation its primitive, parameters, results' types,
+    whether it is a copy (copies run behind a barrier), and its operands (a value by where the
+    segment got it, a literal by its value, or by its type where it is passed as an argument);
+    which values it returns. Segments with equal keys trace to the same jaxpr. Tracing each
+    segment and printing its jaxpr for the key took 1.2 s of the test zoo's 24-layer transformer's
+    first call on this project's 2-core CPU, where 7 of 36 segments are distinct programs."""
+    equations = flat.equations[segment.start : segment.stop]
+    lifted = {(position, j) for position, j, _ in _lifted(equations)}
+    local = {b: i for i, b in enumerate(segment.inputs)}
+
+    def operand(position: int, j: int, r: Any) -> Any:
+        if not isinstance(r, jc.Literal):
+            return local[r]
+        return (r.aval,) if (position, j) in lifted else (r.aval, _frozen(r.val))
+
+    body = []
+    for position, fe in enumerate(equations):
+        eqn = fe.eqn
+        body.append(
+            (
+                eqn.primitive,
+                tuple(operand(position, j, r) for j, r in enumerate(fe.inputs)),
+                _params_key(eqn),
+                tuple(v.aval for v in eqn.outvars),
+                fe.recompute_of is not None,
+            )
+        )
+        local.update((b, len(local)) for b in fe.outputs)
+    inputs = tuple(flat.avals[b] for b in segment.inputs)
+    return inputs, tuple(body), tuple(local[b] for b in segment.outputs)
+
+
 def program_key(jaxpr: jc.Jaxpr) -> tuple:
-    """What a jaxpr compiles to, as a key: every primitive, parameter, literal and type, and how
-    values flow (variables numbered in order of appearance); constants not included. It tells
-    programs apart as the printed jaxpr does, five times faster: printing the segments of the test
-    zoo's transformer took 0.11 s of its first call at 4 layers and 0.52 s at 24 on this project's
-    2-core CPU, the keys 0.02 and 0.11 s."""
+    """What a jaxpr computes, as a key (for jaxprs nested in parameters): every primitive,
+    parameter, literal and type, and how values flow (variables numbered in order of appearance);
+    constants not included."""
     numbers: dict = {}
 
     def atom(v: Any) -> Any:
@@ -263,12 +295,25 @@ def program_key(jaxpr: jc.Jaxpr) -> tuple:
         (
             e.primitive,
             tuple(map(atom, e.invars)),
-            tuple((name, _frozen(value)) for name, value in e.params.items()),
+            _params_key(e),
             tuple((atom(v), v.aval) for v in e.outvars),
         )
         for e in jaxpr.eqns
     )
     return head, body, tuple(map(atom, jaxpr.outvars))
+
+
+# Parameters a compiled segment never uses: derivative rules (segments are not differentiated).
+# Each equation has its own rule objects, so keyed they would keep alike layers from sharing.
+_NOT_COMPILED = {
+    "custom_jvp_call": frozenset({"jvp_jaxpr_fun"}),
+    "custom_vjp_call": frozenset({"fwd_jaxpr_thunk", "bwd", "out_trees"}),
+}
+
+
+def _params_key(eqn: jc.JaxprEqn) -> tuple:
+    unused = _NOT_COMPILED.get(eqn.primitive.name, ())
+    return tuple((name, _frozen(value)) for name, value in eqn.params.items() if name not in unused)
 
 
 _AS_IS = frozenset({int, str, type(None)})
