@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -39,16 +37,6 @@ from oocjax import ooc_jit
 from oocjax.transforms import execute
 
 H200_BUDGET_BYTES = 8286266982  # gpu_check's budget on the H200: 0.8 of the allocator limit under a 0.069 fraction
-
-
-def solo_seconds(program, inputs, repeats: int) -> float:
-    jax.block_until_ready(program(*inputs))
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(program(*inputs))
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def profile(model: dict, budget_bytes: int | None, steps: int, dry_run: bool) -> dict:
@@ -93,7 +81,8 @@ def profile(model: dict, budget_bytes: int | None, steps: int, dry_run: bool) ->
     distinct: dict[int, int] = {}
     rows = []
     for i, (segment, (program, run)) in enumerate(zip(plan.segments, plain.calls, strict=True)):
-        seconds = solo_seconds(program, [*(slots[b] for b in run.inputs), *run.literals], steps)
+        inputs = [*(slots[b] for b in run.inputs), *run.literals]
+        seconds = median_seconds(lambda program=program, inputs=inputs: program(*inputs), steps)
         rows.append(
             dict(
                 segment=i,
