@@ -157,3 +157,17 @@ def test_the_gpu_check_fails_when_ooc_jit_goes_over_budget_and_the_readme_says_s
     over = "| `ooc_jit` | 10.00 GiB | 8.00 GiB | 9.00 GiB (**over budget**) | 0.200 | 2.00x | max difference 0.0001 |"
     assert over in table
     assert "jitted 1 GiB copies 53.5 / 53.0" in table
+
+
+def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path):
+    """The script a GPU session runs to split ``ooc_jit``'s step time (``segment_profile.py``)."""
+    from benchmarks.gpu_check import DRY_MODEL
+    from benchmarks.segment_profile import profile
+
+    record = profile(DRY_MODEL, None, steps=2, dry_run=True)
+    rows = record["segments"]
+    assert len(rows) == int(record["plan"].split(" segments")[0].rsplit(" ", 1)[-1])
+    assert [r["steps"][0] for r in rows[1:]] == [r["steps"][1] for r in rows[:-1]]  # consecutive, none missing
+    assert all(r["solo_s"] > 0 and r["flops_per_s"] >= 0 for r in rows)
+    assert 0 < record["distinct_programs"] < len(rows)  # the dry run's alike layers share programs
+    assert all(record[k] > 0 for k in ("jit_s", "ooc_s", "ooc_gate_off_s", "ooc_no_waits_s", "back_to_back_s"))
