@@ -13,6 +13,11 @@ estimate, donated state, ``min_offload_bytes=4096`` as the tests use. Per depth:
   makes the first call and a new one makes it again: the new one's first call, ``ooc_jit``
   against ``jax.jit`` (each with a cache of its own). Target: at most 1.2x.
 
+Beside the wall time, each first call records the CPU time the process spent in it and JAX's
+backend compiles (``/jax/core/compile/backend_compile_duration`` events: how many, and their
+durations summed, which overlap where programs compile in parallel threads): XLA:CPU compiles on
+every core, so on this 2-core machine the CPU time says how much compiling work a wrapper does.
+
     python benchmarks/first_call.py [--out benchmarks/results/first_call-cpu-<date>.json]
 """
 
@@ -24,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -46,29 +52,52 @@ def in_core_bytes(layers: int) -> int:
     return ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0]).baseline_peak_bytes
 
 
-def first_call_s(layers: int, wrapper: str, budget: int) -> tuple[float, object]:
-    """One first call in this process, caches cleared; the wrapped step."""
+@dataclass(frozen=True, slots=True)
+class FirstCall:
+    seconds: float  # wall time
+    cpu_seconds: float  # this process's CPU time, every thread's
+    compiles: int  # XLA backend compiles
+    compile_seconds: float  # their durations, summed (they overlap where compiled in threads)
+    step: object  # the wrapped step
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def first_call(layers: int, wrapper: str, budget: int) -> FirstCall:
+    """One first call in this process, caches cleared."""
     case = transformer_dropout_adamw(layers)
     state, batch = jax.tree.map(lambda x: x.copy(), case.state), case.batches[0]
     jax.block_until_ready(state)
     jax.clear_caches()
-    started = time.perf_counter()
-    if wrapper == "jit":
-        step = jax.jit(case.step, donate_argnums=0)
-    else:
-        step = ooc_jit(case.step, budget=budget, donate_argnums=0, min_offload_bytes=4096)
-    jax.block_until_ready(step(state, batch))
-    return time.perf_counter() - started, step
+    compiles: list[float] = []
+
+    def count(event: str, seconds: float, **_: object) -> None:
+        if event == BACKEND_COMPILE:
+            compiles.append(seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        started, cpu = time.perf_counter(), time.process_time()
+        if wrapper == "jit":
+            step = jax.jit(case.step, donate_argnums=0)
+        else:
+            step = ooc_jit(case.step, budget=budget, donate_argnums=0, min_offload_bytes=4096)
+        jax.block_until_ready(step(state, batch))
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    return FirstCall(seconds, cpu, len(compiles), sum(compiles), step)
 
 
 def first_process(layers: int, repeats: int) -> dict:
     budget = int(in_core_bytes(layers) * FRACTION)
-    jit_s = min(first_call_s(layers, "jit", budget)[0] for _ in range(repeats))
-    runs = [first_call_s(layers, "ooc", budget) for _ in range(repeats)]
-    ooc_s, step = min(runs, key=lambda run: run[0])
+    jit = min((first_call(layers, "jit", budget) for _ in range(repeats)), key=lambda run: run.seconds)
+    ooc = min((first_call(layers, "ooc", budget) for _ in range(repeats)), key=lambda run: run.seconds)
+    jit_s, ooc_s = jit.seconds, ooc.seconds
     case = transformer_dropout_adamw(layers)
-    plan = step.plan(case.state, case.batches[0])
-    (planner,) = step._planners.values()
+    plan = ooc.step.plan(case.state, case.batches[0])
+    (planner,) = ooc.step._planners.values()
     distinct = len({id(p) for p in planner.built.programs})
     row = dict(
         layers=layers,
@@ -81,10 +110,18 @@ def first_process(layers: int, repeats: int) -> dict:
         distinct_programs=distinct,
         moved_bytes=sum(plan.program.buffers[m.buffer].nbytes for m in plan.schedule.moves),
         recomputed=len(plan.recomputed),
+        jit_cpu_s=jit.cpu_seconds,
+        ooc_cpu_s=ooc.cpu_seconds,
+        jit_compiles=jit.compiles,
+        ooc_compiles=ooc.compiles,
+        jit_compile_s=jit.compile_seconds,
+        ooc_compile_s=ooc.compile_seconds,
     )
     print(
         f"{layers:2d} layers: jax.jit {jit_s:.2f} s, ooc_jit {ooc_s:.2f} s ({row['ratio']:.2f}x); "
-        f"{row['segments']} segments ({row['segments_per_layer']:.1f} per layer), {distinct} distinct programs"
+        f"{row['segments']} segments ({row['segments_per_layer']:.1f} per layer), {distinct} distinct programs; "
+        f"CPU time {jit.cpu_seconds:.2f} s against {ooc.cpu_seconds:.2f} s, backend compiles "
+        f"{jit.compiles} ({jit.compile_seconds:.2f} s) against {ooc.compiles} ({ooc.compile_seconds:.2f} s summed)"
     )
     return row
 
@@ -95,8 +132,8 @@ import sys, time, jax
 jax.config.update("jax_compilation_cache_dir", sys.argv[3])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-from benchmarks.first_call import first_call_s
-print(first_call_s(int(sys.argv[1]), sys.argv[2], int(sys.argv[4]))[0])
+from benchmarks.first_call import first_call
+print(first_call(int(sys.argv[1]), sys.argv[2], int(sys.argv[4])).seconds)
 """
 
 

@@ -131,7 +131,7 @@ def section() -> str:
         name, r = found
         depths = "; ".join(
             f"{row['layers']} layers: {row['ratio']:.2f}x ({row['ooc_s']:.1f} s against {row['jit_s']:.1f} s, "
-            f"{row['segments']} segments, {row['distinct_programs']} distinct programs)"
+            f"{row['segments']} segments, {row['distinct_programs']} distinct programs{_compile_work(row)})"
             for row in r["rows"]
         )
         second = "; ".join(
@@ -206,6 +206,16 @@ def section() -> str:
             "**Measured on GPUs**: nothing yet; `benchmarks/gpu_check.py` records it where a GPU is available."
         )
     return "\n".join([BEGIN, *lines, END])
+
+
+def _compile_work(row: dict) -> str:
+    """The CPU time of both first calls and their XLA compiles, where the run recorded them."""
+    if "ooc_cpu_s" not in row:
+        return ""
+    return (
+        f"; CPU time {row['ooc_cpu_s']:.1f} s against {row['jit_cpu_s']:.1f} s, in {row['ooc_compiles']} XLA "
+        f"compiles against {row['jit_compiles']}"
+    )
 
 
 def _per_segment(rows: list[dict]) -> str:

@@ -171,3 +171,16 @@ def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path):
     assert all(r["solo_s"] > 0 and r["flops_per_s"] >= 0 for r in rows)
     assert 0 < record["distinct_programs"] < len(rows)  # the dry run's alike layers share programs
     assert all(record[k] > 0 for k in ("jit_s", "ooc_s", "ooc_gate_off_s", "ooc_no_waits_s", "back_to_back_s"))
+
+
+def test_the_first_call_benchmark_counts_each_wrappers_compiles_and_cpu_time():
+    from benchmarks.first_call import first_call, in_core_bytes
+
+    budget = int(in_core_bytes(2) * 0.3)
+    jit, ooc = first_call(2, "jit", budget), first_call(2, "ooc", budget)
+    (planner,) = ooc.step._planners.values()
+    assert jit.compiles == 1  # jax.jit's one program: the step's state and batch were made before the call
+    # Every distinct segment program is one compile (a renamed JAX event would count none).
+    assert ooc.compiles >= len({id(p) for p in planner.built.programs}) > 1
+    assert 0 < jit.compile_seconds < jit.seconds and ooc.compile_seconds > 0
+    assert jit.cpu_seconds > 0 and ooc.cpu_seconds > 0
