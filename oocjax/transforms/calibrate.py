@@ -139,6 +139,12 @@ AGREED_RATES = (
 )
 
 
+def forget_measured() -> None:
+    """Forgets the rates this process measured, so that the next plan measures them again (for a
+    benchmark that times a process's first call, which includes measuring them)."""
+    _MEASURED.clear()
+
+
 def _agreed(profile: DeviceProfile) -> DeviceProfile:
     """In a run of several processes, process 0's rates in every process. Plans are chosen by
     simulated time with these rates, and every process must derive the same plan, or they launch
@@ -177,13 +183,13 @@ def _best_seconds(call: Callable[[], Any], budget_s: float, *, least: int = 2, m
 
 
 def _matmul_rate(device: Any, n: int, budget_s: float) -> float:
-    a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
+    a = jax.device_put(np.ones((n, n), np.float32), device)
     matmul = jax.jit(jnp.matmul)
     return 2 * n**3 / _best_seconds(lambda: matmul(a, a), budget_s)
 
 
 def _memory_rate(device: Any, nbytes: int, budget_s: float) -> float:
-    x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device)
+    x = jax.device_put(np.ones((nbytes // 4,), np.float32), device)
     scale = jax.jit(lambda v: v * 2.0 + 1.0)  # one fused loop: reads and writes each element once
     return 2 * x.nbytes / _best_seconds(lambda: scale(x), budget_s)
 
@@ -214,7 +220,7 @@ def _link_fits(device: Any, copy_bytes: tuple[int, int], budget_s: float) -> tup
     on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
     points: dict[str, list[tuple[int, float]]] = {"d2h": [], "h2d": []}
     for nbytes in copy_bytes:
-        x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), on_device)
+        x = jax.device_put(np.ones((nbytes // 4,), np.float32), on_device)
         h = jax.block_until_ready(jax.device_put(x, on_host))
         points["d2h"].append((x.nbytes, _best_seconds(partial(jax.device_put, x, on_host), budget_s / 2)))
         points["h2d"].append((x.nbytes, _best_seconds(partial(jax.device_put, h, on_device), budget_s / 2)))
