@@ -1,25 +1,45 @@
-"""Where a step's repeated layers run, read from its equations' name stacks.
+"""Where a step's repeated layers run: read from the equations' name stacks where they name layers,
+found from the program's structure where they do not.
 
-Flax names every module call in the name stack (``jvp(Transformer)/Block_2/Dense_0``); the backward
-pass keeps the names under ``transpose(...)``. A *layer* is a module whose kind repeats under one
-parent (``Block_0`` .. ``Block_23``). Cutting segments where layers begin lets layers alike run the
-same compiled programs (``schedule.segments.cut_segments``), so that the programs to compile grow
-with the kinds of layers, not with depth.
+A *layer* is a run of equations that repeats: the same operations on the same shapes, wired alike,
+once per layer in the forward pass and once per layer (in reverse order) in the backward pass.
+Cutting segments where layers begin lets alike layers run the same compiled programs
+(``schedule.segments.cut_segments``), so that the programs to compile grow with the kinds of layers,
+not with depth.
+
+* **By name.** Flax puts every module call in the name stack (``jvp(GPT)/transformer/h/3/attn``),
+  and the backward pass keeps it under ``transpose(...)``. A path component that differs from its
+  siblings only by a number names a layer: ``Block_3``, ``layer_3``, ``layers.3``, or ``3`` under a
+  parent ``h``.
+* **By structure**, in a pass (forward or backward) where no name does: NNX modules and plain
+  functions over lists of weights leave no names. Each equation gets a token (its primitive,
+  parameters, operand and result types, and where within one layer its operands come from); the
+  longest run of tokens that repeats with one period is a run of layers of that length; layers are
+  cut where the fewest bytes pass from one layer to the next (the residual stream).
 """
 
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+import numpy as np
 
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatProgram
 
-_NUMBERED = re.compile(r"^(?P<kind>.+)_(?P<index>\d+)$")
+# A path component numbered among its siblings: ``Block_3``, ``layer.3``, ``h/3`` (kind empty).
+_NUMBERED = re.compile(r"^(?P<kind>.*?)[_.\-]?(?P<index>\d+)$")
 # Operands that name a random stream rather than carry data: Flax folds each module's path into its
 # key as a literal, which is all that tells one layer's program from the next. Passed as arguments
 # (``transforms.segment``), they let layers alike share one program.
 LIFTED_LITERALS = frozenset({"random_fold_in"})
+# Fewer repeats than this, or a layer of fewer equations, is not worth cutting by.
+MIN_LAYERS = 2
+MIN_LAYER_EQUATIONS = 8
+# Candidate periods tried per pass, the most frequent distances between equal tokens first.
+_CANDIDATE_PERIODS = 24
 
 
 def layer_runs(flat: FlatProgram) -> tuple[tuple[int, int, str], ...]:
@@ -27,44 +47,266 @@ def layer_runs(flat: FlatProgram) -> tuple[tuple[int, int, str], ...]:
     apart (``kind`` is e.g. ``"Block"``; the backward's is ``"transpose Block"``). A run ends after
     its layer's last equation before the next run; equations without a layer inside it (a
     residual add, a recomputed copy) are part of it, those after a pass's last layer (the loss,
-    the optimizer) are not."""
+    the optimizer) are not. Passes where no name stack names layers are searched by structure
+    (their kind is ``"layer"``)."""
+    phases = _phases(flat)
+    named = _alike_only(flat, _named_runs(flat, phases))
+    runs = list(named)
+    for start, stop, phase in _phase_ranges(phases):
+        if phase and not any(start <= a < stop for a, _, _ in named):
+            owners = _owners(flat, runs) if phase == "transpose" else None
+            runs += _structural_runs(flat, start, stop, phase, owners)
+    return tuple(sorted(runs))
+
+
+def _owners(flat: FlatProgram, runs: Sequence[tuple[int, int, str]]) -> dict[int, int]:
+    """Buffer -> the forward layer that made it or alone read it (its parameters), so that a
+    backward layer can be told by what it reads: its own forward layer's values."""
+    owner: dict[int, int] = {}
+    shared: set[int] = set()
+    for j, (a, y, _) in enumerate(r for r in runs if not r[2].startswith("transpose")):
+        for fe in flat.equations[a:y]:
+            owner.update((b, j) for b in fe.outputs)
+            for ref in fe.inputs:
+                if type(ref) is int and ref < flat.num_inputs and owner.setdefault(ref, j) != j:
+                    shared.add(ref)
+    return {b: j for b, j in owner.items() if b not in shared}
+
+
+# -- Passes ---------------------------------------------------------------------------------------
+
+
+def _phases(flat: FlatProgram) -> list[str]:
+    """Per equation: ``"forward"`` under ``jvp(...)``, ``"transpose"`` under ``transpose(...)``, else
+    ``""``. A recomputed copy belongs to the pass it runs in (the equation before it)."""
+    phases: list[str] = []
+    for fe in flat.equations:
+        if fe.recompute_of is not None and phases:
+            phases.append(phases[-1])
+            continue
+        head = str(fe.eqn.source_info.name_stack).split("/", 1)[0]
+        phases.append("transpose" if head.startswith("transpose(") else "forward" if head.startswith("jvp(") else "")
+    return phases
+
+
+def _phase_ranges(phases: Sequence[str]) -> list[tuple[int, int, str]]:
+    """Maximal ranges of equations in one phase."""
+    ranges: list[tuple[int, int, str]] = []
+    for k, phase in enumerate(phases):
+        if ranges and ranges[-1][2] == phase:
+            ranges[-1] = (ranges[-1][0], k + 1, phase)
+        else:
+            ranges.append((k, k + 1, phase))
+    return ranges
+
+
+def _kind(phase: str, kind: str) -> str:
+    return f"transpose {kind}" if phase == "transpose" else kind
+
+
+# -- By name --------------------------------------------------------------------------------------
+
+
+def _named_runs(flat: FlatProgram, phases: Sequence[str]) -> list[tuple[int, int, str]]:
     paths = [_path(fe.eqn) for fe in flat.equations]
     repeated = _repeated_kinds(paths)
     runs: list[list] = []
-    for k, (fe, (phase, path)) in enumerate(zip(flat.equations, paths, strict=True)):
+    for k, (fe, path) in enumerate(zip(flat.equations, paths, strict=True)):
         layer = _layer(path, repeated)
-        if layer is None or fe.recompute_of is not None:
+        if layer is None or fe.recompute_of is not None or not phases[k]:
             continue
-        if runs and runs[-1][3] == (phase, layer):
+        if runs and runs[-1][3] == (phases[k], layer):
             runs[-1][1] = k + 1
         else:
-            kind = _NUMBERED.match(layer[-1])["kind"]
-            runs.append([k, k + 1, f"{phase} {kind}".strip(), (phase, layer)])
-    return tuple((start, stop, kind) for start, stop, kind, _ in runs)
+            runs.append([k, k + 1, _kind(phases[k], _label(layer)), (phases[k], layer)])
+    return [(start, stop, kind) for start, stop, kind, _ in runs]
 
 
-def _path(eqn: jc.JaxprEqn) -> tuple[str, tuple[str, ...]]:
-    """(phase, module path): the phase is ``"transpose"`` in the backward pass, else empty."""
-    parts = str(eqn.source_info.name_stack).split("/")
-    phase = "transpose" if parts[0].startswith("transpose(") else ""
-    return phase, tuple(parts[1:])
+def _alike_only(flat: FlatProgram, runs: list[tuple[int, int, str]]) -> list[tuple[int, int, str]]:
+    """The runs of the kinds of which at least two runs do the same operations on the same shapes: a
+    numbered name alone (``Dense_0`` .. ``Dense_3`` of four widths) is no layer to share programs."""
+
+    def shape(a: int, y: int) -> tuple:
+        return tuple((fe.eqn.primitive, tuple(flat.avals[b] for b in fe.outputs)) for fe in flat.equations[a:y])
+
+    by_kind: dict[str, Counter] = defaultdict(Counter)
+    shapes = [shape(a, y) for a, y, _ in runs]
+    for (_, _, kind), s in zip(runs, shapes):
+        by_kind[kind][s] += 1
+    alike = {kind for kind, counts in by_kind.items() if max(counts.values()) >= MIN_LAYERS}
+    return [run for run in runs if run[2] in alike]
 
 
-def _repeated_kinds(paths: list[tuple[str, tuple[str, ...]]]) -> set[tuple[tuple[str, ...], str]]:
-    """(parent path, kind) of the modules numbered at least twice under one parent."""
+def _path(eqn: jc.JaxprEqn) -> tuple[str, ...]:
+    """The module path an equation was traced in, without the transformation around it."""
+    return tuple(str(eqn.source_info.name_stack).split("/")[1:])
+
+
+def _repeated_kinds(paths: list[tuple[str, ...]]) -> set[tuple[tuple[str, ...], str]]:
+    """(parent path, kind) of the components numbered at least twice under one parent."""
     indices: dict[tuple[tuple[str, ...], str], set[str]] = defaultdict(set)
-    for _, path in set(paths):
+    for path in set(paths):
         for depth, part in enumerate(path):
             match = _NUMBERED.match(part)
             if match:
                 indices[path[:depth], match["kind"]].add(match["index"])
-    return {key for key, seen in indices.items() if len(seen) > 1}
+    return {key for key, seen in indices.items() if len(seen) >= MIN_LAYERS}
 
 
 def _layer(path: tuple[str, ...], repeated: set) -> tuple[str, ...] | None:
-    """The shortest prefix of ``path`` that names a layer (a repeated module), or None."""
+    """The shortest prefix of ``path`` that names a layer (a repeated component), or None."""
     for depth, part in enumerate(path):
         match = _NUMBERED.match(part)
         if match and (path[:depth], match["kind"]) in repeated:
             return path[: depth + 1]
     return None
+
+
+def _label(layer: tuple[str, ...]) -> str:
+    """``Block`` for ``.../Block_3``; the parent's name for ``.../h/3``."""
+    kind = _NUMBERED.match(layer[-1])["kind"]
+    return kind or (layer[-2] if len(layer) > 1 else "layer")
+
+
+# -- By structure ---------------------------------------------------------------------------------
+
+
+def _structural_runs(
+    flat: FlatProgram, start: int, stop: int, phase: str, owners: dict[int, int] | None = None
+) -> list[tuple[int, int, str]]:
+    """The layers of equations ``start .. stop - 1`` (one pass), found as the longest periodic run
+    of tokens, then searched again on either side of it (a model with two stacks). ``owners``
+    (backward passes): which forward layer each buffer belongs to (``_owners``)."""
+    if stop - start < MIN_LAYERS * MIN_LAYER_EQUATIONS:
+        return []
+    tokens = _tokens(flat, start, stop)
+    found = _longest_periodic(tokens)
+    if found is None:
+        return []
+    first, end, period = (start + found[0], start + found[1], found[2])
+    first, count = _aligned(flat, first, end, period, owners or {})
+    if count < MIN_LAYERS:
+        return []
+    runs = [(first + i * period, first + (i + 1) * period, _kind(phase, "layer")) for i in range(count)]
+    return [
+        *_structural_runs(flat, start, first, phase, owners),
+        *runs,
+        *_structural_runs(flat, first + count * period, stop, phase, owners),
+    ]
+
+
+def _tokens(flat: FlatProgram, start: int, stop: int) -> np.ndarray:
+    """One integer per equation, equal for equations alike: primitive, parameters, operand and result
+    types, and each operand's source: a literal, an argument, or the equation so many steps back
+    (``"far"`` beyond ``_NEAR`` steps, as the backward's reads of the forward's values are)."""
+    from oocjax.transforms.segment import _params_key  # the compile key's view of parameters
+
+    producer = {b: k for k, fe in enumerate(flat.equations[start:stop], start) for b in fe.outputs}
+    ids: dict = {}
+    tokens = np.empty(stop - start, np.int64)
+    for k, fe in enumerate(flat.equations[start:stop], start):
+        sources = []
+        for ref in fe.inputs:
+            if type(ref) is not int:
+                sources.append(("literal", ref.aval))
+            elif ref < flat.num_inputs or ref not in producer:
+                sources.append(("outside", flat.avals[ref]))
+            else:
+                back = k - producer[ref]
+                sources.append(("near", back, flat.avals[ref]) if back <= _NEAR else ("far", flat.avals[ref]))
+        outs = tuple(flat.avals[b] for b in fe.outputs)
+        key = (fe.eqn.primitive, _params_key(fe.eqn), tuple(sources), outs, fe.recompute_of is None)
+        tokens[k - start] = ids.setdefault(key, len(ids))
+    return tokens
+
+
+# Operands made at most this many equations earlier count as made inside the layer (by distance);
+# from further back, by type only (a backward layer reads its forward layer's values from afar).
+_NEAR = 64
+
+
+def _longest_periodic(tokens: np.ndarray) -> tuple[int, int, int] | None:
+    """``(first, end, period)`` of the longest run ``tokens[first:end]`` with ``tokens[i] ==
+    tokens[i + period]`` throughout and at least ``MIN_LAYERS`` periods; the shortest period among
+    runs as long. Candidate periods are the most common distances between equal tokens."""
+    order = np.lexsort((np.arange(len(tokens)), tokens))
+    same = tokens[order][1:] == tokens[order][:-1]
+    gaps = (order[1:] - order[:-1])[same]
+    best = None
+    for period, _ in Counter(gaps[gaps >= MIN_LAYER_EQUATIONS].tolist()).most_common(_CANDIDATE_PERIODS):
+        match = np.concatenate([[False], tokens[period:] == tokens[:-period], [False]])
+        edges = np.flatnonzero(match[1:] != match[:-1])  # run starts and ends, alternating
+        if len(edges) == 0:
+            continue
+        lengths = edges[1::2] - edges[::2]
+        i = int(np.argmax(lengths))
+        first, end = int(edges[2 * i]), int(edges[2 * i + 1]) + period
+        if end - first < MIN_LAYERS * period:
+            continue
+        if best is None or (end - first, -period) > (best[1] - best[0], -best[2]):
+            best = (first, end, period)
+    return best
+
+
+def _aligned(flat: FlatProgram, first: int, end: int, period: int, owners: dict[int, int]) -> tuple[int, int]:
+    """Where the layers of the periodic run ``first .. end - 1`` begin, and how many there are.
+
+    Layers are ``period`` equations long, each at least ``_INSIDE`` of it inside the run (the
+    first layer's first operations may read its input from elsewhere than the later layers do).
+    Of the boundaries that give the most layers: in a backward pass, those where the fewest
+    equations read another forward layer's values (``owners``) than most of their layer does;
+    then where the fewest bytes made before a boundary are read after it within a period (the
+    residual stream, not a layer's insides); then the nearest to where the repetition begins."""
+    lo, hi = max(first - period, 0), min(end + period, len(flat.equations))
+    crossing = _crossing_bytes(flat, lo, hi, period)
+    owner = np.array([_owner(fe, owners) for fe in flat.equations[lo:hi]], np.int64)
+
+    def layers(start: int) -> range:  # the whole periods from start that lie mostly inside the run
+        inside = lambda a: min(a + period, end) - max(a, first) >= _INSIDE * period  # noqa: E731
+        count = 0
+        while inside(start + count * period):
+            count += 1
+        return range(start, start + count * period + 1, period)
+
+    def strays(bounds: range) -> int:  # equations reading another forward layer than their own
+        if not owners or len(bounds) < 2:
+            return 0
+        rows = owner[bounds[0] - lo : bounds[-1] - lo].reshape(len(bounds) - 1, period)
+        return sum(int((row >= 0).sum() - np.bincount(row[row >= 0]).max(initial=0)) for row in rows)
+
+    def cost(start: int) -> tuple:
+        bounds = layers(start)
+        return (-len(bounds), strays(bounds), sum(crossing[b - lo] for b in bounds), abs(start - first))
+
+    best = min(range(max(first - period // 2, lo), first + period // 2 + 1), key=cost)
+    return best, len(layers(best)) - 1
+
+
+# A layer's share that must lie inside the periodic run.
+_INSIDE = 0.75
+
+
+def _owner(fe, owners: dict[int, int]) -> int:
+    """The forward layer an equation reads from (the first it finds), or -1."""
+    for ref in fe.inputs:
+        if type(ref) is int and ref in owners:
+            return owners[ref]
+    return -1
+
+
+def _crossing_bytes(flat: FlatProgram, lo: int, hi: int, period: int) -> np.ndarray:
+    """Per position ``k`` in ``lo .. hi`` (index ``k - lo``): the bytes of values made before
+    equation ``k`` and read at or after it, within ``period`` equations of being made."""
+    made = {b: k for k in range(lo, hi) for b in flat.equations[k].outputs}
+    last_read = {}
+    for k in range(lo, hi):
+        for ref in flat.equations[k].inputs:
+            if type(ref) is int and ref in made and made[ref] < k <= made[ref] + period:
+                last_read[ref] = k
+    crossing = np.zeros(hi - lo + 2)
+    for ref, k in last_read.items():
+        aval = flat.avals[ref]
+        size = int(np.prod(aval.shape)) * aval.dtype.itemsize
+        crossing[made[ref] + 1 - lo] += size
+        crossing[k + 1 - lo] -= size
+    return np.cumsum(crossing)

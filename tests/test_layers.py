@@ -1,0 +1,137 @@
+"""Layers are found on models written any way: by name where the name stack numbers them, by the
+program's structure where it does not (``transforms.layers``).
+
+The decoder of ``examples/decoders.py`` is written four ways (Flax auto names, explicit numeric names
+under a parent, NNX with a list of blocks, a plain function over a list of weight dicts). A layer
+found is checked against the model's own layers through the parameters it reads: forward layer
+``i`` reads all of block ``i``'s parameters and no other block's, backward layer ``i`` reads block
+``depth - 1 - i``'s.
+"""
+
+from __future__ import annotations
+
+import re
+from itertools import pairwise
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from examples.decoders import WAYS, decoder_case
+from oocjax.transforms.analyse import flatten
+from oocjax.transforms.layers import layer_runs
+
+DEPTH = 4
+# The block index in a parameter's path: Block_3, h/'3', blocks[3].
+_BLOCK = re.compile(r"\['Block_(\d+)'\]|\['h'\]\['(\d+)'\]|\['blocks'\]\[(\d+)\]")
+
+
+def traced(step, *args):
+    closed = jax.make_jaxpr(step)(*args)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    return flatten(closed), paths
+
+
+def block_of(path: str) -> int | None:
+    match = _BLOCK.search(path) if path.startswith("[0][0]") else None  # parameters, not optimizer state
+    return None if match is None else int(next(g for g in match.groups() if g is not None))
+
+
+def blocks_read(flat, paths, start: int, stop: int) -> set[int]:
+    return {
+        block_of(paths[ref])
+        for fe in flat.equations[start:stop]
+        for ref in fe.inputs
+        if type(ref) is int and ref < flat.num_inputs and block_of(paths[ref]) is not None
+    }
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_the_layers_found_are_the_models_blocks_forward_and_backward(way):
+    flat, paths = traced(*decoder_case(way, DEPTH))
+    runs = layer_runs(flat)
+    forward = [r for r in runs if not r[2].startswith("transpose")]
+    backward = [r for r in runs if r[2].startswith("transpose")]
+
+    assert len(forward) == DEPTH and len(backward) == DEPTH
+    assert all(a < y for a, y, _ in runs) and all(y1 <= a2 for (_, y1, _), (a2, _, _) in pairwise(runs))
+    assert [blocks_read(flat, paths, a, y) for a, y, _ in forward] == [{i} for i in range(DEPTH)]
+    assert [blocks_read(flat, paths, a, y) for a, y, _ in backward] == [{i} for i in reversed(range(DEPTH))]
+    # Every read of a block's parameters in the forward pass lies inside that block's run.
+    for i, (a, y, _) in enumerate(forward):
+        assert blocks_read(flat, paths, forward[0][0], a) <= set(range(i))
+        assert blocks_read(flat, paths, y, forward[-1][1]) <= set(range(i + 1, DEPTH))
+
+
+@pytest.mark.parametrize("way", ["linen_auto", "linen_named"])
+def test_layers_named_by_the_model_are_called_by_its_names(way):
+    flat, _ = traced(*decoder_case(way, DEPTH))
+    kinds = {kind for _, _, kind in layer_runs(flat)}
+    assert kinds == ({"Block", "transpose Block"} if way == "linen_auto" else {"h", "transpose h"})
+
+
+@pytest.mark.parametrize("way", ["nnx", "plain"])
+def test_layers_without_names_are_found_by_structure(way):
+    flat, _ = traced(*decoder_case(way, DEPTH))
+    assert {kind for _, _, kind in layer_runs(flat)} == {"layer", "transpose layer"}
+
+
+def test_layers_alike_have_alike_equations():
+    flat, _ = traced(*decoder_case("plain", DEPTH))
+    forward = [r for r in layer_runs(flat) if r[2] == "layer"]
+    primitives = [[fe.eqn.primitive.name for fe in flat.equations[a:y]] for a, y, _ in forward]
+    assert all(p == primitives[0] for p in primitives)
+
+
+class Funnel(nn.Module):
+    """Dense layers of different widths: no two alike."""
+
+    @nn.compact
+    def __call__(self, x):
+        for width in (48, 32, 16, 8):
+            x = nn.relu(nn.Dense(width)(x))
+        return x.sum()
+
+
+def plain_funnel(weights, x):
+    for w in weights:
+        x = jnp.tanh(x @ w)
+    return x.sum()
+
+
+def sgd_step(loss):
+    optimizer = optax.sgd(0.1)
+
+    def step(state, x):
+        params, opt_state = state
+        grads = jax.grad(loss)(params, x)
+        updates, opt_state = optimizer.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step, optimizer
+
+
+def test_a_model_without_repeated_layers_has_none():
+    x = jnp.ones((4, 64))
+    model = Funnel()
+    step, optimizer = sgd_step(lambda p, x: model.apply(p, x))
+    params = model.init(jax.random.key(0), x)
+    flat, _ = traced(step, (params, optimizer.init(params)), x)
+    assert layer_runs(flat) == ()
+
+    widths = [64, 48, 32, 16, 8]
+    weights = [jnp.ones((m, n)) for m, n in pairwise(widths)]
+    step, optimizer = sgd_step(plain_funnel)
+    flat, _ = traced(step, (weights, optimizer.init(weights)), x)
+    assert layer_runs(flat) == ()
+
+
+def test_layers_of_a_few_operations_are_too_small_to_cut_by():
+    step, optimizer = sgd_step(plain_funnel)
+    weights = [jnp.ones((64, 64)) / 64 for _ in range(6)]
+    x = jnp.ones((4, 64))
+    flat, _ = traced(step, (weights, optimizer.init(weights)), x)
+    # Each layer is two equations forward (dot, tanh), three backward: fewer than MIN_LAYER_EQUATIONS.
+    assert layer_runs(flat) == ()
