@@ -1,14 +1,17 @@
 """The first call of a step: trace, plan, cut, compile and run, ``ooc_jit`` against ``jax.jit``, on the CPU.
 
 The test zoo's transformer (``tests/zoo.py``) at 4, 12 and 24 layers, at 30% of its in-core
-estimate, donated state, ``min_offload_bytes=4096`` as the tests use. Per depth:
+estimate, donated state, ``min_offload_bytes=4096`` as the tests use; and (``--ways``) one GPT-style
+decoder written four ways (``examples/decoders.py``: Flax auto names, explicit numeric names under a
+parent, NNX with a list of blocks, a plain function over a list of weight dicts), the same way.
+Per model and depth:
 
 * **First process.** Caches cleared (the device rates ``ooc_jit`` measures once per process
   too), fresh wrappers: the wall time of
   ``jax.jit(step)(state, batch)`` and of ``ooc_jit(step, budget=...)(state, batch)``, each blocked
-  on, everything included. Best of ``--repeats``. Target: at most 1.5x, and the distinct compiled
-  programs growing by at most a small constant from 12 to 24 layers; segments per layer (forward
-  and backward) at most 6.
+  on, everything included. Best of ``--repeats``. Besides the ratio: the distinct compiled
+  programs, segments per layer, and the plans made during the first call (more than one where
+  compiled segments measured over the budget).
 * **Second process** (``--second-process``). With JAX's persistent cache directory set
   (``jax_compilation_cache_dir``, ``jax_persistent_cache_min_compile_time_secs=0``), a process
   makes the first call and a new one makes it again: the new one's first call, ``ooc_jit``
@@ -41,6 +44,7 @@ from oocjax.transforms import calibrate
 if __package__ in (None, ""):  # run as ``python benchmarks/first_call.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
+from examples.decoders import WAYS, decoder_case
 from tests.zoo import transformer_dropout_adamw
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,9 +53,17 @@ DEPTHS = (4, 12, 24)
 FRACTION = 0.3
 
 
-def in_core_bytes(layers: int) -> int:
-    case = transformer_dropout_adamw(layers)
-    return ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0]).baseline_peak_bytes
+def make_case(model: str, layers: int) -> tuple:
+    """``(step, state, batch)``: ``"zoo"`` for the test zoo's transformer, else a way of ``WAYS``."""
+    if model == "zoo":
+        case = transformer_dropout_adamw(layers)
+        return case.step, case.state, case.batches[0]
+    return decoder_case(model, layers)
+
+
+def in_core_bytes(layers: int, model: str = "zoo") -> int:
+    step, state, batch = make_case(model, layers)
+    return ooc_jit(step, budget=2**62).plan(state, batch).baseline_peak_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +78,10 @@ class FirstCall:
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 
-def first_call(layers: int, wrapper: str, budget: int) -> FirstCall:
+def first_call(layers: int, wrapper: str, budget: int, model: str = "zoo") -> FirstCall:
     """One first call in this process, caches cleared."""
-    case = transformer_dropout_adamw(layers)
-    state, batch = jax.tree.map(lambda x: x.copy(), case.state), case.batches[0]
+    step_fn, state, batch = make_case(model, layers)
+    state = jax.tree.map(lambda x: x.copy(), state)
     jax.block_until_ready(state)
     jax.clear_caches()
     calibrate.forget_measured()  # a process's first plan measures the device's rates: part of its first call
@@ -83,9 +95,9 @@ def first_call(layers: int, wrapper: str, budget: int) -> FirstCall:
     try:
         started, cpu = time.perf_counter(), time.process_time()
         if wrapper == "jit":
-            step = jax.jit(case.step, donate_argnums=0)
+            step = jax.jit(step_fn, donate_argnums=0)
         else:
-            step = ooc_jit(case.step, budget=budget, donate_argnums=0, min_offload_bytes=4096)
+            step = ooc_jit(step_fn, budget=budget, donate_argnums=0, min_offload_bytes=4096)
         jax.block_until_ready(step(state, batch))
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     finally:
@@ -93,16 +105,17 @@ def first_call(layers: int, wrapper: str, budget: int) -> FirstCall:
     return FirstCall(seconds, cpu, len(compiles), sum(compiles), step)
 
 
-def first_process(layers: int, repeats: int) -> dict:
-    budget = int(in_core_bytes(layers) * FRACTION)
-    jit = min((first_call(layers, "jit", budget) for _ in range(repeats)), key=lambda run: run.seconds)
-    ooc = min((first_call(layers, "ooc", budget) for _ in range(repeats)), key=lambda run: run.seconds)
+def first_process(model: str, layers: int, repeats: int) -> dict:
+    budget = int(in_core_bytes(layers, model) * FRACTION)
+    jit = min((first_call(layers, "jit", budget, model) for _ in range(repeats)), key=lambda run: run.seconds)
+    ooc = min((first_call(layers, "ooc", budget, model) for _ in range(repeats)), key=lambda run: run.seconds)
     jit_s, ooc_s = jit.seconds, ooc.seconds
-    case = transformer_dropout_adamw(layers)
-    plan = ooc.step.plan(case.state, case.batches[0])
+    _, state, batch = make_case(model, layers)
+    plan = ooc.step.plan(state, batch)
     (planner,) = ooc.step._planners.values()
     distinct = len({id(p) for p in planner.built.programs})
     row = dict(
+        model=model,
         layers=layers,
         fraction=FRACTION,
         jit_s=jit_s,
@@ -113,6 +126,7 @@ def first_process(layers: int, repeats: int) -> dict:
         distinct_programs=distinct,
         moved_bytes=sum(plan.program.buffers[m.buffer].nbytes for m in plan.schedule.moves),
         recomputed=len(plan.recomputed),
+        plans=len(plan.attempts),
         jit_cpu_s=jit.cpu_seconds,
         ooc_cpu_s=ooc.cpu_seconds,
         jit_compiles=jit.compiles,
@@ -121,8 +135,9 @@ def first_process(layers: int, repeats: int) -> dict:
         ooc_compile_s=ooc.compile_seconds,
     )
     print(
-        f"{layers:2d} layers: jax.jit {jit_s:.2f} s, ooc_jit {ooc_s:.2f} s ({row['ratio']:.2f}x); "
-        f"{row['segments']} segments ({row['segments_per_layer']:.1f} per layer), {distinct} distinct programs; "
+        f"{model} {layers:2d} layers: jax.jit {jit_s:.2f} s, ooc_jit {ooc_s:.2f} s ({row['ratio']:.2f}x); "
+        f"{row['segments']} segments ({row['segments_per_layer']:.1f} per layer), {distinct} distinct programs, "
+        f"{row['plans']} plans; "
         f"CPU time {jit.cpu_seconds:.2f} s against {ooc.cpu_seconds:.2f} s, backend compiles "
         f"{jit.compiles} ({jit.compile_seconds:.2f} s) against {ooc.compiles} ({ooc.compile_seconds:.2f} s summed)"
     )
@@ -169,10 +184,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--layers", default=",".join(map(str, DEPTHS)))
     parser.add_argument("--second-process", default="4,24", help="depths to measure in second processes")
+    parser.add_argument("--ways", default="", help=f"decoders to measure too, of {','.join(WAYS)} (or 'all')")
     parser.add_argument("--out")
     args = parser.parse_args()
     depths = [int(d) for d in args.layers.split(",") if d]
-    rows = [first_process(layers, args.repeats) for layers in depths]
+    ways = WAYS if args.ways == "all" else [w for w in args.ways.split(",") if w]
+    rows = [first_process(model, layers, args.repeats) for model in ["zoo", *ways] for layers in depths]
     second = [second_process(int(d), args.repeats) for d in args.second_process.split(",") if d]
     if args.out:
         record = dict(

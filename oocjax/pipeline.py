@@ -375,6 +375,7 @@ def _description(traced: TracedStep, choice: HybridPlan, schedule: Schedule, bud
         rewrite=choice.rewrite if choice.rewrite.recomputed else None,
         step_time_s=choice.step_time_s,
         swap_only_time_s=choice.swap_only_time_s,
+        recomputed_by_block=choice.by_block and bool(choice.rewrite.recomputed),
         loops=traced.flat.loops,
         input_kinds=kinds,
         device=jax.local_devices()[0].device_kind,
@@ -475,6 +476,9 @@ def _choose(program: Program, flat: FlatProgram, budget: Budget, options: Planne
     """The first plan of a budget: swap only, or recompute and swap (``schedule.plan_hybrid``), timed
     with the device's measured rates (measured once per process)."""
     profile = measure_profile()  # swap-only plans are timed too: the plan says how fast either would run
+    runs = layer_runs(flat)
+    backward = [a for a, _, kind in runs if kind.startswith("transpose")]
+    blocks = tuple((a, y) for a, y, kind in runs if backward and not kind.startswith("transpose") and y <= backward[0])
     try:
         choice = plan_hybrid(
             program,
@@ -483,6 +487,8 @@ def _choose(program: Program, flat: FlatProgram, budget: Budget, options: Planne
             profile=profile,
             recompute=options.recompute,
             planner=_planner,
+            blocks=blocks,
+            backward_start=backward[0] if backward else 0,
             **options.window,
         )
     except BudgetInfeasibleError as error:

@@ -99,6 +99,8 @@ class Plan:
       recomputed: the values recomputed instead of kept or moved (``RecomputeInfo``); then
         ``program`` holds the copies of their producing equations.
       extra_flops: the work those copies add to the step.
+      recomputed_by_block: whether they are every layer's insides, its input kept (per-block remat,
+        ``schedule.blocks``), rather than values chosen one class at a time.
       step_time_s, swap_only_time_s: the simulated step time of this plan and of the swap-only plan
         it was chosen against (on the device profile it was planned with; None where not compared).
     """
@@ -127,6 +129,7 @@ class Plan:
     mesh: str = ""  # on several devices: "8 devices, mesh data=8" (every byte figure is per device)
     recomputed: tuple[RecomputeInfo, ...] = ()
     extra_flops: int = 0
+    recomputed_by_block: bool = False
     step_time_s: float | None = None
     swap_only_time_s: float | None = None
 
@@ -201,7 +204,8 @@ class Plan:
 
         executed = "" if self.executed_peak_bytes is None else f", executed {format_bytes(self.executed_peak_bytes)}"
         on_host = f", {counted(len(self.host_inputs), 'argument')} kept on host" if self.host_inputs else ""
-        recomputed = f", {counted(len(self.recomputed), 'value')} recomputed" if self.recomputed else ""
+        by_block = " by block" if self.recomputed_by_block else ""
+        recomputed = f", {counted(len(self.recomputed), 'value')} recomputed{by_block}" if self.recomputed else ""
         mesh = f", per device on {self.mesh}" if self.mesh else ""
         return (
             f"Plan(peak={format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}{executed}, "

@@ -39,6 +39,7 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
         "extra_flops": plan.extra_flops,
         "step_time_s": plan.step_time_s,
         "swap_only_time_s": plan.swap_only_time_s,
+        "recomputed_by_block": plan.recomputed_by_block,
     }
     if full:
         saved |= {
@@ -75,6 +76,7 @@ def loads(text: str) -> Plan:
         mesh=data.get("mesh", ""),
         step_time_s=data.get("step_time_s"),
         swap_only_time_s=data.get("swap_only_time_s"),
+        recomputed_by_block=data.get("recomputed_by_block", False),
         segments=tuple(_read_segment(segment) for segment in data.get("chain", ())),
         segment_costs=tuple(SegmentCost(**cost) for cost in data.get("segment_costs", ())),
         input_kinds=tuple(data.get("input_kinds", ())),

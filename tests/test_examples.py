@@ -17,11 +17,14 @@ def run_example(script: str, *options: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def assert_trained_under_half_the_in_core_estimate(figures: dict) -> None:
+def assert_trained_under_half_the_in_core_estimate(
+    figures: dict, *, lowered_by: tuple[str, ...] = ("offloads",)
+) -> None:
     in_core, budget = figures["in_core_estimate_bytes"], figures["budget_bytes"]
     assert budget <= in_core // 2
-    # The budget forces offloading, and the segments fit it: planned, and as the compiled programs measure.
-    assert figures["offloads"] > 0
+    # The budget forces offloading (or, where named, recomputing), and the segments fit it: planned,
+    # and as the compiled programs measure.
+    assert any(figures[way] > 0 for way in lowered_by)
     assert 0 < figures["planned_peak_bytes"] <= budget
     assert 0 < figures["executed_peak_bytes"] <= budget
     losses = figures["losses"]
@@ -59,7 +62,8 @@ def test_the_flax_example_trains_under_half_its_in_core_memory(tmp_path):
 def test_the_nnx_example_trains_under_half_its_in_core_memory(tmp_path):
     figures = run_example("train_nnx.py", "--steps", "150", out=tmp_path / "nnx.json")
     assert len(figures["losses"]) == 150
-    assert_trained_under_half_the_in_core_estimate(figures)
+    # Its blocks are found by structure (NNX names none), and recomputing them by block fits half.
+    assert_trained_under_half_the_in_core_estimate(figures, lowered_by=("offloads", "recomputed"))
 
 
 @pytest.mark.slow

@@ -1,25 +1,29 @@
 """Keep, move or recompute: the plan a step runs, chosen by simulated step time.
 
-Two candidates are planned for one budget:
+Up to three candidates are planned for one budget:
 
 * **swap only**: the adaptive window planner (``plan_window``) on the program as traced;
 * **hybrid**: ``choose_recompute`` rewrites the program so that less is live at its peak (values
   dropped after their forward use and recomputed before their backward use), and the window
-  planner moves what still does not fit.
+  planner moves what still does not fit;
+* **by block**, where the step's layers are known: every block's insides recomputed for its
+  backward pass, its input kept (``schedule.blocks``: per-block remat), the selector's picks on
+  top of that, and the window planner moves what still does not fit.
 
-Both are timed with the same device profile (``simulate_time``); the hybrid is taken only when it
-is faster, or as fast and moving less (PoocH's rule: recompute where recomputing costs less than
+All are timed with the same device profile (``simulate_time``); a recomputing plan is taken only
+when it is faster, or as fast and moving less (PoocH's rule: recompute where recomputing costs less than
 moving), so the answer is never slower than swap-only by the model. A hybrid that moves nothing is what recomputation
 is for: it wins as soon as the FLOPs it adds cost less than the exposed transfers they replace.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from oocjax.errors import BudgetInfeasibleError
+from oocjax.schedule.blocks import block_targets
 from oocjax.schedule.cost import DeviceProfile, simulate_time
 from oocjax.schedule.moves import Schedule
 from oocjax.schedule.program import Program
@@ -44,6 +48,8 @@ class HybridPlan:
       step_time_s: simulated step time of that plan.
       swap_only: the adaptive window plan of the original program (None where it is infeasible).
       swap_only_time_s: its simulated step time (None where infeasible).
+      by_block: whether ``rewrite`` recomputes by block (``schedule.blocks``) rather than by the
+        per-value selector.
     """
 
     rewrite: Rewrite
@@ -51,6 +57,7 @@ class HybridPlan:
     step_time_s: float
     swap_only: Schedule | None
     swap_only_time_s: float | None
+    by_block: bool = False
 
     @property
     def program(self) -> Program:
@@ -67,13 +74,16 @@ def plan_hybrid(
     window_bytes: int | None = None,
     min_offload_bytes: int = MiB,
     planner: Callable[..., Schedule] = plan_window,
+    blocks: Sequence[tuple[int, int]] = (),
+    backward_start: int = 0,
 ) -> HybridPlan:
     """Plans ``program`` within ``budget_bytes``: swap only, or recompute and swap, whichever the
     simulation says is faster (``recompute="auto"``); ``"off"`` is the window planner alone,
     ``"always"`` takes the recomputing plan whenever the selector finds values to recompute (for
     tests and experiments), and a ``RecomputePolicy`` forces or forbids values by their producer's
     name and their label, then chooses as ``"always"`` does. ``planner`` makes the moves of either
-    program (the window planner).
+    program (the window planner). ``blocks``: the steps of each layer's forward pass, and
+    ``backward_start`` the backward pass's first step, for the by-block candidate (``"auto"`` only).
 
     Raises ``BudgetInfeasibleError`` when neither plan fits.
 
@@ -91,25 +101,63 @@ def plan_hybrid(
     except BudgetInfeasibleError as error:
         infeasible = error
     swap_time = None if swap is None else simulate_time(program, swap, profile).step_time_s
+    candidates = [] if swap is None else [_Candidate(identity_rewrite(program), swap, swap_time, False)]
     if recompute != "off" and not (swap is not None and swap.moves_nothing):
         rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes, forced=forced)
-        rewrite = choose_recompute(program, budget_bytes, **rules)
-        hybrid = _plan_or_none(planner, rewrite, budget_bytes, window) if rewrite.recomputed else None
-        if hybrid is not None:
-            hybrid_time = simulate_time(rewrite.program, hybrid, profile).step_time_s
-            faster = swap is None or (hybrid_time, _moved(hybrid)) < (swap_time, _moved(swap))
-            if recompute == "always" or callable(recompute) or faster:
-                return HybridPlan(
-                    rewrite=rewrite,
-                    schedule=hybrid,
-                    step_time_s=hybrid_time,
-                    swap_only=swap,
-                    swap_only_time_s=swap_time,
-                )
-    if swap is None:
+        rewrites = [(choose_recompute(program, budget_bytes, **rules), False)]
+        if blocks and recompute == "auto":  # per-block remat, then the selector's picks on top of it
+            by_block = dict.fromkeys(block_targets(program, blocks, backward_start), backward_start)
+            rewrites.append((choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True))
+        for rewrite, by_block in rewrites:
+            schedule = _plan_or_none(planner, rewrite, budget_bytes, window) if rewrite.recomputed else None
+            if schedule is not None:
+                time = simulate_time(rewrite.program, schedule, profile).step_time_s
+                candidates.append(_Candidate(rewrite, schedule, time, by_block))
+    if not candidates:
         raise infeasible
-    same = identity_rewrite(program)
-    return HybridPlan(rewrite=same, schedule=swap, step_time_s=swap_time, swap_only=swap, swap_only_time_s=swap_time)
+    forcing = recompute == "always" or callable(recompute)
+    chosen = candidates[1] if forcing and len(candidates) > 1 and swap is not None else _steadiest(candidates)
+    if forcing and swap is None:
+        chosen = candidates[0]
+    return HybridPlan(
+        rewrite=chosen.rewrite,
+        schedule=chosen.schedule,
+        step_time_s=chosen.time_s,
+        swap_only=swap,
+        swap_only_time_s=swap_time,
+        by_block=chosen.by_block,
+    )
+
+
+# A plan that moves more bytes replaces one that moves fewer only when the model says it is faster
+# by more than this: the model's step times err by more (the committed H200 run measured the step
+# 2.7-fold under its simulation), and a plan that moves less is the steadier: its layers stay alike,
+# and alike layers share compiled programs.
+MOVE_MARGIN = 0.15
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    rewrite: Rewrite
+    schedule: Schedule
+    time_s: float
+    by_block: bool
+
+    @property
+    def moved_bytes(self) -> int:
+        buffers = self.rewrite.program.buffers
+        return sum(buffers[m.buffer].nbytes for m in self.schedule.moves)
+
+
+def _steadiest(candidates: list[_Candidate]) -> _Candidate:
+    """The candidate moving the fewest bytes (the fastest of those), unless one moving more is
+    faster by more than ``MOVE_MARGIN``; ties in time go to fewer copies."""
+    ordered = sorted(candidates, key=lambda c: (c.moved_bytes, c.time_s, _moved(c.schedule)))
+    chosen = ordered[0]
+    for candidate in ordered[1:]:
+        if candidate.time_s * (1 + MOVE_MARGIN) < chosen.time_s:
+            chosen = candidate
+    return chosen
 
 
 def _apply_policy(

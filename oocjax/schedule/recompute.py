@@ -513,7 +513,7 @@ def choose_recompute(
     profile: DeviceProfile | str | None = None,
     min_offload_bytes: int = MiB,
     max_picks: int = 1000,
-    forced: Iterable[int] = (),
+    forced: Iterable[int] | Mapping[int, int] = (),
 ) -> Rewrite:
     """Chooses values to recompute so that the program holds less at its in-core peak.
 
@@ -530,7 +530,8 @@ def choose_recompute(
         default ``DEFAULT_PROFILE``.
       min_offload_bytes: the planner's threshold, for the ``required_bytes`` check.
       max_picks: a bound on the classes tried.
-      forced: buffers to recompute whatever the costs say (split at their longest gap), before
+      forced: buffers to recompute whatever the costs say (split at their longest gap, or where a
+        mapping says: buffer -> a step to split across), before
         the selector adds its own.
 
     Returns:
@@ -559,12 +560,16 @@ def _greedy(
     profile: DeviceProfile,
     min_offload_bytes: int,
     max_picks: int,
-    forced: Iterable[int],
+    forced: Iterable[int] | Mapping[int, int],
 ) -> Rewrite:
     """``choose_recompute``'s loop: one class of candidates a pick, until the step fits in core."""
     floor_fits = max(required_bytes(program, min_offload_bytes), default=0) <= budget_bytes
-    targets: dict[int, int | None] = dict.fromkeys(forced)
-    chosen = recompute_program(program, targets, recomputable=recomputable) if targets else identity_rewrite(program)
+    targets: dict[int, int | None] = dict(forced) if isinstance(forced, Mapping) else dict.fromkeys(forced)
+    chosen = (
+        recompute_program(program, targets, recomputable=recomputable, across=targets)
+        if targets
+        else identity_rewrite(program)
+    )
     rejected, skipped = set(), []
     for _ in range(max_picks):
         device = _in_core_bytes(chosen.program)

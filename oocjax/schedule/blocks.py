@@ -1,0 +1,59 @@
+"""Recompute by block: what per-block remat does, as one candidate rewrite of the whole program.
+
+``nn.remat`` around each block keeps the block's input and recomputes everything else the block's
+backward needs. The per-value selector (``choose_recompute``) cannot always get there one class at a
+time: some classes (LayerNorm's centred input and its scale, say) lower the peak only together, so
+each alone is rejected, and the plan moves state instead. Offered whole, the block candidate is timed
+like the others (``plan_hybrid``), and taken where the model says it is faster.
+
+The members of a block (its steps ``start .. stop - 1`` in the forward pass) are the computed
+values it makes, less those the forward pass reads after the block (its output, the next block's
+input, which is kept as remat keeps it). Those only the block reads are members too: a member's
+copy reads them, and were they not members, the copy would keep them alive from the forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from oocjax.schedule.program import Program
+from oocjax.schedule.recompute import Recomputable, Rewrite, recompute_program
+
+
+def block_targets(program: Program, blocks: Sequence[tuple[int, int]], backward_start: int) -> list[int]:
+    """The values per-block remat recomputes: per block ``(start, stop)`` (steps of the forward
+    pass, in order), the computed values made in it that no forward step after the block reads
+    (before ``backward_start``).
+
+    >>> p = Program.from_ops(
+    ...     [("f", ["x"], ["a"]), ("g", ["a"], ["h"]), ("f", ["h"], ["b"]), ("g", ["b"], ["y"]), ("loss", ["y"], ["s"]),
+    ...      ("dloss", ["s", "y"], ["dy"]), ("dg", ["dy", "b"], ["db"]), ("df", ["db", "h"], ["dh"]),
+    ...      ("dg", ["dh", "a"], ["da"])],
+    ...     dict.fromkeys(["x", "a", "h", "b", "y", "s", "dy", "db", "dh", "da"], 8), inputs=["x"], outputs=["da"])
+    >>> [p.buffers[b].label for b in block_targets(p, [(0, 2), (2, 4)], backward_start=5)]
+    ['a', 'b']
+    """
+    uses = program.uses
+    last_forward = blocks[-1][1] if blocks else 0
+    targets = []
+    for start, stop in blocks:
+        for step in program.steps[start:stop]:
+            for b in step.writes:
+                reads = uses.read_at[b]
+                buffer = program.buffers[b]
+                if buffer.kind != "computed" or buffer.is_output:
+                    continue
+                if not any(stop <= r < max(backward_start, last_forward) for r in reads):
+                    targets.append(b)
+    return targets
+
+
+def recompute_blocks(
+    program: Program, blocks: Sequence[tuple[int, int]], backward_start: int, *, recomputable: Recomputable
+) -> Rewrite:
+    """``program`` with every block's members (``block_targets``) recomputed before the backward
+    pass reads them: per-block remat."""
+    targets = block_targets(program, blocks, backward_start)
+    # Split at the turn: a member only its block reads is dropped after that read and recomputed
+    # where a copy needs it (split at its longest gap, one read right after it is made could not be).
+    return recompute_program(program, targets, recomputable=recomputable, across=backward_start)

@@ -1,0 +1,95 @@
+"""Recompute by block: below the budget where the per-value selector still fits the step, the plan
+recomputes each block's insides (per-block remat) rather than move state, where the model says that
+costs at most ``MOVE_MARGIN`` more time; it moves fewer bytes than the selector alone, and computes
+what ``jax.jit`` computes."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from oocjax import ooc_jit
+from oocjax.schedule import Program, plan_window, simulate_time
+from oocjax.schedule.blocks import block_targets
+from oocjax.schedule.recompute import choose_recompute
+from oocjax.transforms.calibrate import measure_profile
+from oocjax.transforms.layers import layer_runs
+from oocjax.transforms.recompute import recomputable_steps
+from tests.zoo import transformer_dropout_adamw
+
+LAYERS = 12
+
+
+@functools.cache
+def case():
+    return transformer_dropout_adamw(LAYERS)
+
+
+@functools.cache
+def in_core() -> int:
+    return ooc_jit(case().step, budget=2**62).plan(case().state, case().batches[0]).baseline_peak_bytes
+
+
+def fresh(state):
+    return jax.tree.map(lambda x: x.copy(), state)
+
+
+def moved_bytes(program: Program, schedule) -> int:
+    return sum(program.buffers[m.buffer].nbytes for m in schedule.moves)
+
+
+def selector_alone(planner, budget_bytes: int) -> int:
+    """The bytes the plan made before blocks were offered moves: the faster (by the model) of
+    swap only and the per-value selector with the window planner."""
+    program, profile = planner.program, measure_profile()
+    recomputable = recomputable_steps(planner.traced.flat).__getitem__
+    swap = plan_window(program, budget_bytes, min_offload_bytes=4096)
+    rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=4096)
+    rewrite = choose_recompute(program, budget_bytes, **rules)
+    hybrid = plan_window(rewrite.program, budget_bytes, min_offload_bytes=4096)
+    swap_s = simulate_time(program, swap, profile).step_time_s
+    hybrid_s = simulate_time(rewrite.program, hybrid, profile).step_time_s
+    return moved_bytes(rewrite.program, hybrid) if hybrid_s < swap_s else moved_bytes(program, swap)
+
+
+@pytest.mark.slow
+def test_at_a_fifth_of_in_core_the_transformer_recomputes_by_block_and_moves_less_than_the_selector_alone():
+    step = ooc_jit(case().step, budget=int(0.2 * in_core()), donate_argnums=0, min_offload_bytes=4096)
+    plan = step.plan(case().state, case().batches[0])
+    (planner,) = step._planners.values()
+
+    assert plan.recomputed_by_block and "recomputed by block" in repr(plan)
+    assert moved_bytes(plan.program, plan.schedule) < selector_alone(planner, plan.schedule.budget_bytes)
+    assert plan.executed_peak_bytes <= plan.budget_bytes
+    state, batch = case().state, case().batches[0]
+    expected = jax.jit(case().step)(fresh(state), batch)[1]["loss"]
+    np.testing.assert_allclose(float(step(fresh(state), batch)[1]["loss"]), float(expected), rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_where_the_selector_alone_moves_nothing_the_plan_moves_nothing():
+    step = ooc_jit(case().step, budget=int(0.35 * in_core()), donate_argnums=0, min_offload_bytes=4096)
+    plan = step.plan(case().state, case().batches[0])
+    assert plan.recomputed and plan.schedule.moves_nothing
+    state, batch = case().state, case().batches[0]
+    expected = jax.jit(case().step)(fresh(state), batch)[1]["loss"]
+    np.testing.assert_allclose(float(step(fresh(state), batch)[1]["loss"]), float(expected), rtol=1e-6)
+
+
+def test_a_blocks_members_are_its_insides_not_its_output():
+    case4 = transformer_dropout_adamw(2)
+    step = ooc_jit(case4.step, budget=2**62)
+    step.plan(case4.state, case4.batches[0])
+    (planner,) = step._planners.values()
+    runs = layer_runs(planner.traced.flat)
+    backward = min(a for a, _, kind in runs if kind.startswith("transpose"))
+    blocks = [(a, y) for a, y, kind in runs if not kind.startswith("transpose")]
+    program = planner.program
+    members = set(block_targets(program, blocks, backward))
+    first_block_output = {b for step in program.steps[blocks[0][0] : blocks[0][1]] for b in step.writes} & {
+        b for step in program.steps[blocks[1][0] : blocks[1][1]] for b in step.reads
+    }
+    assert first_block_output and not first_block_output & members
+    made = {b for a, y in blocks for step in program.steps[a:y] for b in step.writes}
+    assert len(members) > len(made) // 2  # most of what a block makes is recomputed, as remat does
