@@ -108,11 +108,7 @@ def plan_hybrid(
         if blocks and recompute == "auto":  # per-block remat, then the selector's picks on top of it
             by_block = dict.fromkeys(block_targets(program, blocks, backward_start), backward_start)
             rewrites.append((choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True))
-        for rewrite, by_block in rewrites:
-            schedule = _plan_or_none(planner, rewrite, budget_bytes, window) if rewrite.recomputed else None
-            if schedule is not None:
-                time = simulate_time(rewrite.program, schedule, profile).step_time_s
-                candidates.append(_Candidate(rewrite, schedule, time, by_block))
+        candidates += _planned(rewrites, planner, budget_bytes, window, profile)
     if not candidates:
         raise infeasible
     forcing = recompute == "always" or callable(recompute)
@@ -147,6 +143,17 @@ class _Candidate:
     def moved_bytes(self) -> int:
         buffers = self.rewrite.program.buffers
         return sum(buffers[m.buffer].nbytes for m in self.schedule.moves)
+
+
+def _planned(rewrites: list, planner: Callable, budget_bytes: int, window: dict, profile) -> list[_Candidate]:
+    """The rewrites (each with whether it is by block) that the planner fits, planned and timed."""
+    candidates = []
+    for rewrite, by_block in rewrites:
+        schedule = _plan_or_none(planner, rewrite, budget_bytes, window) if rewrite.recomputed else None
+        if schedule is not None:
+            time = simulate_time(rewrite.program, schedule, profile).step_time_s
+            candidates.append(_Candidate(rewrite, schedule, time, by_block))
+    return candidates
 
 
 def _steadiest(candidates: list[_Candidate]) -> _Candidate:

@@ -184,7 +184,7 @@ def _structural_runs(
     if found is None:
         return []
     first, end, period = (start + found[0], start + found[1], found[2])
-    first, count = _aligned(flat, first, end, period, owners or {})
+    first, count = _aligned(flat, (start, stop), (first, end), period, owners or {})
     if count < MIN_LAYERS:
         return []
     runs = [(first + i * period, first + (i + 1) * period, _kind(phase, "layer")) for i in range(count)]
@@ -248,8 +248,11 @@ def _longest_periodic(tokens: np.ndarray) -> tuple[int, int, int] | None:
     return best
 
 
-def _aligned(flat: FlatProgram, first: int, end: int, period: int, owners: dict[int, int]) -> tuple[int, int]:
-    """Where the layers of the periodic run ``first .. end - 1`` begin, and how many there are.
+def _aligned(
+    flat: FlatProgram, within: tuple[int, int], run: tuple[int, int], period: int, owners: dict[int, int]
+) -> tuple[int, int]:
+    """Where the layers of the periodic run ``first .. end - 1`` (``run``) begin, and how many there
+    are, all inside the pass's equations ``within``.
 
     Layers are ``period`` equations long, each at least ``_INSIDE`` of it inside the run (the
     first layer's first operations may read its input from elsewhere than the later layers do).
@@ -257,12 +260,15 @@ def _aligned(flat: FlatProgram, first: int, end: int, period: int, owners: dict[
     equations read another forward layer's values (``owners``) than most of their layer does;
     then where the fewest bytes made before a boundary are read after it within a period (the
     residual stream, not a layer's insides); then the nearest to where the repetition begins."""
-    lo, hi = max(first - period, 0), min(end + period, len(flat.equations))
+    (first, end), (lo, hi) = run, within
+    lo, hi = max(first - period, lo), min(end + period, hi)
     crossing = _crossing_bytes(flat, lo, hi, period)
     owner = np.array([_owner(fe, owners) for fe in flat.equations[lo:hi]], np.int64)
 
+    def inside(a: int) -> bool:  # a layer from a: in the pass, and mostly inside the run
+        return lo <= a and a + period <= hi and min(a + period, end) - max(a, first) >= _INSIDE * period
+
     def layers(start: int) -> range:  # the whole periods from start that lie mostly inside the run
-        inside = lambda a: min(a + period, end) - max(a, first) >= _INSIDE * period  # noqa: E731
         count = 0
         while inside(start + count * period):
             count += 1
