@@ -28,13 +28,10 @@ import numpy as np
 
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatProgram
+from oocjax.transforms.segment import params_key
 
 # A path component numbered among its siblings: ``Block_3``, ``layer.3``, ``h/3`` (kind empty).
 _NUMBERED = re.compile(r"^(?P<kind>.*?)[_.\-]?(?P<index>\d+)$")
-# Operands that name a random stream rather than carry data: Flax folds each module's path into its
-# key as a literal, which is all that tells one layer's program from the next. Passed as arguments
-# (``transforms.segment``), they let layers alike share one program.
-LIFTED_LITERALS = frozenset({"random_fold_in"})
 # Fewer repeats than this, or a layer of fewer equations, is not worth cutting by.
 MIN_LAYERS = 2
 MIN_LAYER_EQUATIONS = 8
@@ -199,8 +196,6 @@ def _tokens(flat: FlatProgram, start: int, stop: int) -> np.ndarray:
     """One integer per equation, equal for equations alike: primitive, parameters, operand and result
     types, and each operand's source: a literal, an argument, or the equation so many steps back
     (``"far"`` beyond ``_NEAR`` steps, as the backward's reads of the forward's values are)."""
-    from oocjax.transforms.segment import _params_key  # the compile key's view of parameters
-
     producer = {b: k for k, fe in enumerate(flat.equations[start:stop], start) for b in fe.outputs}
     ids: dict = {}
     tokens = np.empty(stop - start, np.int64)
@@ -215,7 +210,7 @@ def _tokens(flat: FlatProgram, start: int, stop: int) -> np.ndarray:
                 back = k - producer[ref]
                 sources.append(("near", back, flat.avals[ref]) if back <= _NEAR else ("far", flat.avals[ref]))
         outs = tuple(flat.avals[b] for b in fe.outputs)
-        key = (fe.eqn.primitive, _params_key(fe.eqn), tuple(sources), outs, fe.recompute_of is None)
+        key = (fe.eqn.primitive, params_key(fe.eqn), tuple(sources), outs, fe.recompute_of is None)
         tokens[k - start] = ids.setdefault(key, len(ids))
     return tokens
 

@@ -35,12 +35,15 @@ from oocjax.schedule import Schedule
 from oocjax.schedule.segments import Segment, SegmentCost
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import FlatEquation, FlatProgram
-from oocjax.transforms.layers import LIFTED_LITERALS
 from oocjax.transforms.memories import sharding, spec
 from oocjax.transforms.shardings import Layout, shard_bytes
 
 Host = jax.memory.Space.Host
 Device = jax.memory.Space.Device
+# Operands that name a random stream rather than carry data: Flax folds each module's path into its
+# key as a literal, which is all that tells one layer's program from the next. Passed as arguments,
+# they let layers alike share one program.
+LIFTED_LITERALS = frozenset({"random_fold_in"})
 
 
 def segment_functions(
@@ -269,7 +272,7 @@ def segment_key(flat: FlatProgram, segment: Segment) -> tuple:
             (
                 eqn.primitive,
                 tuple(operand(position, j, r) for j, r in enumerate(fe.inputs)),
-                _params_key(eqn),
+                params_key(eqn),
                 tuple(v.aval for v in eqn.outvars),
                 fe.recompute_of is not None,
             )
@@ -295,7 +298,7 @@ def program_key(jaxpr: jc.Jaxpr) -> tuple:
         (
             e.primitive,
             tuple(map(atom, e.invars)),
-            _params_key(e),
+            params_key(e),
             tuple((atom(v), v.aval) for v in e.outvars),
         )
         for e in jaxpr.eqns
@@ -311,7 +314,8 @@ _NOT_COMPILED = {
 }
 
 
-def _params_key(eqn: jc.JaxprEqn) -> tuple:
+def params_key(eqn: jc.JaxprEqn) -> tuple:
+    """An equation's parameters as a key, less those no compiled segment uses (``_NOT_COMPILED``)."""
     unused = _NOT_COMPILED.get(eqn.primitive.name, ())
     return tuple((name, _frozen(value)) for name, value in eqn.params.items() if name not in unused)
 
