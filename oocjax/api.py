@@ -24,7 +24,7 @@ import jax
 
 from oocjax.arguments import ArgumentSpec
 from oocjax.budget import resolve_budget
-from oocjax.errors import OocError
+from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.pipeline import MAX_RUNTIME_REPLANS, PlannerOptions, StepPlanner, agreed_across_processes
 from oocjax.plan import Plan
 from oocjax.schedule import format_bytes
@@ -42,6 +42,16 @@ NESTED_WARNING = (
     "where an ooc_jit function is called at the top level, on arrays; an outer jit, grad or vmap decides the "
     "memory of the whole itself. To keep the budget, wrap the whole (differentiated) step in ooc_jit, e.g. "
     "ooc_jit(jax.value_and_grad(loss), budget=...) rather than jax.grad(ooc_jit(loss, budget=...))."
+)
+
+# Added to the error of a call that holds on the device leaves an earlier call took in host memory.
+STATE_RETURNED_ON_THE_DEVICE = (
+    "Why they are on the device: an earlier call of {name} took these {count} leaves ({names}) in host memory, "
+    "and this call passes them in device memory. Without donation a step returns its results in device "
+    "memory, as jax.jit does: `state, metrics = step(state, batch)` brings a state passed as "
+    "oocjax.to_host(state) onto the device, and the next call holds it there for the whole step.\n"
+    "Fix: donate the state, ooc_jit(..., {donate}): the leaves the plan keeps in host memory then come back "
+    "there, ready for the next call (or pass oocjax.to_host(state) on every call, a copy each time)."
 )
 
 # For a plan that keeps state in host memory between steps: how to evaluate that state. ``jax.jit``
@@ -222,10 +232,39 @@ class OocJitted:
             key = signature, held
             if key not in self._planners:
                 on_host = sum(_nbytes(x) for x in leaves if _on_host(x))
-                self._planners[key] = StepPlanner(
-                    traced, self.budget_bytes, self.options, held_by_caller=held, host_bytes_in_use=on_host
-                )
+                try:
+                    planner = StepPlanner(
+                        traced, self.budget_bytes, self.options, held_by_caller=held, host_bytes_in_use=on_host
+                    )
+                except OocError as error:
+                    self._refuse_state_returned_on_the_device(error, signature, held, args, kwargs)
+                    raise
+                self._planners[key] = planner
             return traced, self._planners[key]
+
+    def _refuse_state_returned_on_the_device(
+        self, error: OocError, signature: Any, held: tuple[bool, ...], args: tuple, kwargs: dict
+    ) -> None:
+        """When no plan fits with arguments the caller holds on the device, and an earlier call took
+        those same leaves in host memory, they are most likely that call's results (``state =
+        step(state, batch)`` without donation, after ``to_host(state)``): say so, and to donate them."""
+        earlier = [h for (s, h) in self._planners if s == signature]
+        moved = [i for i, now in enumerate(held) if now and any(not h[i] for h in earlier)]
+        if not moved:
+            return
+        paths = [path for path, _ in jax.tree.flatten_with_path(self.arguments.dynamic(args, kwargs))[0]]
+        positions = sorted({self.arguments.position(paths[i], len(args)) for i in moved}, key=str)
+        names = ", ".join(dict.fromkeys(self.arguments.label(paths[i][:2], len(args)) for i in moved))
+        donate = ", ".join(str(p) for p in positions if p is not None)
+        message = STATE_RETURNED_ON_THE_DEVICE.format(
+            name=_name(self.fun),
+            count=len(moved),
+            names=names,
+            donate=f"donate_argnums=({donate},)" if donate else "donate_argnums (pass it positionally)",
+        )
+        if isinstance(error, BudgetInfeasibleError):
+            raise error.with_message(f"{error}\n{message}") from None
+        error.add_note(message)
 
 
 def _unplaced(spec: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

@@ -109,10 +109,18 @@ class ArgumentSpec:
         group, first, rest = path[0], path[1], path[2:]
         if group.idx == 1:  # keyword arguments
             return f"{first.key}{jax.tree_util.keystr(rest)}"
-        position = [i for i in range(num_args) if i not in self.static_argnums][first.idx]
+        position = self.position(path, num_args)
         names = self.parameters
         name = names[position] if position < len(names) else f"args[{position}]"
         return f"{name}{jax.tree_util.keystr(rest)}"
+
+    def position(self, path: tuple, num_args: int) -> int | None:
+        """The position among all arguments (static ones counted, as ``donate_argnums`` counts
+        them) of the argument a leaf at ``path`` belongs to; None for a keyword argument."""
+        group, first = path[0], path[1]
+        if group.idx == 1:
+            return None
+        return [i for i in range(num_args) if i not in self.static_argnums][first.idx]
 
 
 def parameter_names(fun: Callable) -> list[str]:

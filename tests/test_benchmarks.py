@@ -64,6 +64,7 @@ def test_a_benchmark_records_the_commit_of_its_checkout_and_unknown_outside_one(
     assert source_commit(repository / "unpacked") == "unknown"
 
 
+@pytest.mark.slow  # every configuration in its own process: 80 s on 2 loaded CPU cores
 def test_the_gpu_check_dry_run_runs_every_configuration_with_equal_losses(tmp_path):
     from benchmarks import gpu_check, report
 
@@ -159,6 +160,7 @@ def test_the_gpu_check_fails_when_ooc_jit_goes_over_budget_and_the_readme_says_s
     assert "jitted 1 GiB copies 53.5 / 53.0" in table
 
 
+@pytest.mark.slow  # 76 s on 2 loaded CPU cores
 def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path):
     """The script a GPU session runs to split ``ooc_jit``'s step time (``segment_profile.py``)."""
     from benchmarks.gpu_check import DRY_MODEL
@@ -173,6 +175,7 @@ def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path):
     assert all(record[k] > 0 for k in ("jit_s", "ooc_s", "ooc_gate_off_s", "ooc_no_waits_s", "back_to_back_s"))
 
 
+@pytest.mark.slow  # 36 s on 2 loaded CPU cores
 def test_the_first_call_benchmark_counts_each_wrappers_compiles_and_cpu_time():
     from benchmarks.first_call import first_call, in_core_bytes
 

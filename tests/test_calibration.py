@@ -3,7 +3,6 @@ simulation's lower bound, and fitting the cost model to measured segment times."
 
 import math
 import random
-import time
 from dataclasses import replace
 from itertools import pairwise
 
@@ -32,6 +31,7 @@ from oocjax.schedule import (
 )
 from oocjax.schedule.cost import calibrate_program_costs, fit_step_costs
 from oocjax.schedule.segments import cut_segments
+from oocjax.transforms import calibrate
 from oocjax.transforms.calibrate import LinkFit, default_profile, measure_profile, time_segments
 from oocjax.transforms.trace import trace_step
 from tests.programs import MiB, programs
@@ -63,12 +63,17 @@ def test_the_measured_profile_of_this_cpu_has_positive_finite_rates_in_sane_rang
     assert profile.name == "measured cpu" and "measure_profile" in profile.source
 
 
-def test_the_measured_profile_is_measured_once_per_device_kind():
+def test_the_measured_profile_is_measured_once_per_device_kind(monkeypatch):
     first = measure_profile()
-    started = time.perf_counter()
-    again = measure_profile(jax.devices()[0])
-    assert again is first
-    assert time.perf_counter() - started < 0.01  # a dictionary look-up, not a second measurement
+
+    def probe(*args, **kwargs):
+        raise AssertionError("measure_profile measured the device again")
+
+    for name in ("_link_fits", "_matmul_rate", "_memory_rate"):
+        monkeypatch.setattr(calibrate, name, probe)
+    assert measure_profile(jax.devices()[0]) is first  # a look-up, not a second measurement
+    with pytest.raises(AssertionError, match="measured the device again"):
+        measure_profile(refresh=True)  # the probes it would have measured with
 
 
 def test_a_link_fit_through_two_exact_copies_recovers_latency_and_bandwidth():

@@ -10,15 +10,15 @@ import pytest
 
 import oocjax
 from oocjax import ooc_jit
-from tests.zoo import all_cases
+from oocjax.transforms.execute import observe_segments
+from tests import zoo
 
-CASES = {case.name: case for case in all_cases() if case.donate}
 FRACTIONS = {"moves nothing": 1.0, "moves values": 0.35}
 
 
 @functools.cache
 def in_core_estimate(name: str) -> int:
-    case = CASES[name]
+    case = zoo.case(name)
     return ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0]).baseline_peak_bytes
 
 
@@ -32,7 +32,7 @@ def alive_leaves(tree) -> list[str]:
 
 
 def donating_step(name: str, budget_name: str):
-    case = CASES[name]
+    case = zoo.case(name)
     budget = int(in_core_estimate(name) * FRACTIONS[budget_name])
     step = ooc_jit(case.step, budget=budget, donate_argnums=0, recompute="off", min_offload_bytes=4096)
     plan = step.plan(case.state, case.batches[0])
@@ -41,16 +41,16 @@ def donating_step(name: str, budget_name: str):
 
 
 def test_jax_jit_deletes_every_donated_leaf_of_the_zoos_states():
-    for case in CASES.values():
+    for case in map(zoo.case, zoo.DONATED):
         state = fresh(case.state)
         jax.jit(case.step, donate_argnums=0)(state, case.batches[0])
         assert alive_leaves(state) == [], case.name
 
 
 @pytest.mark.parametrize("budget_name", list(FRACTIONS))
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", zoo.DONATED)
 def test_every_donated_leaf_is_deleted_after_one_call_and_after_two(name, budget_name):
-    case, step = CASES[name], donating_step(name, budget_name)
+    case, step = zoo.case(name), donating_step(name, budget_name)
     state = fresh(case.state)
     for call, batch in enumerate(case.batches[:2], start=1):
         given = state
@@ -62,13 +62,37 @@ def test_every_donated_leaf_is_deleted_after_one_call_and_after_two(name, budget
         assert "pinned_host" in kinds, "the second call was given state kept on host"
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", zoo.DONATED)
 def test_state_kept_on_host_given_to_a_step_that_moves_nothing_is_deleted_after_its_call(name):
-    case = CASES[name]
+    case = zoo.case(name)
     state = oocjax.to_host(fresh(case.state))
     new_state, _ = donating_step(name, "moves nothing")(state, case.batches[0])
     assert alive_leaves(state) == []
     assert {x.sharding.memory_kind for x in jax.tree.leaves(new_state)} == {"device"}
+
+
+def first_layer_then_its_own_work(state, x):
+    """Reads the donated ``w`` once, first; no result has its shape and type, so XLA cannot write one
+    over it and leaves its donation unused."""
+    h = jnp.tanh(x @ state["w"])
+    for _ in range(6):
+        h = jnp.tanh(h @ h.T @ h)
+    return h.sum()
+
+
+def test_a_donated_leaf_no_result_can_reuse_is_deleted_at_its_last_use_as_the_plan_counts_it():
+    w, x = jnp.ones((64, 256)) / 64, jnp.ones((512, 64))
+    step = ooc_jit(first_layer_then_its_own_work, budget="1GiB", donate_argnums=0, min_segments=3)
+    state = {"w": w.copy()}
+    plan = step.plan(state, x)
+    (w_buffer,) = [b for b, buffer in enumerate(plan.program.buffers) if buffer.label == "argument state['w']"]
+    last_use = next(i for i, segment in enumerate(plan.segments) if w_buffer in segment.donated)
+    assert last_use < len(plan.segments) - 1, "the premise: segments run after w's last use"
+    deleted_at_launch = []
+    with observe_segments(lambda launch: deleted_at_launch.append(state["w"].is_deleted())):
+        loss = step(state, x)
+    assert deleted_at_launch == [i > last_use for i in range(len(plan.segments))]
+    np.testing.assert_allclose(float(loss), float(jax.jit(first_layer_then_its_own_work)({"w": w}, x)), rtol=1e-6)
 
 
 def sgd_with_a_frozen_table(state, x):

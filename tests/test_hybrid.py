@@ -1,5 +1,6 @@
-"""Keep, move or recompute: the hybrid plan moves less than swap-only, is never slower by the model,
-moves nothing where recomputation makes the step fit, and computes what jax.jit computes."""
+"""Keep, move or recompute: the hybrid plan moves less than swap-only, is slower by the model only by
+less than MOVE_MARGIN (and then moves less), moves nothing where recomputation makes the step fit, and
+computes what jax.jit computes."""
 
 import functools
 
@@ -9,31 +10,35 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oocjax import ooc_jit
-from oocjax.schedule import plan_window, simulate, simulate_time
-from oocjax.schedule.hybrid import plan_hybrid
+from oocjax import BudgetInfeasibleError, ooc_jit
+from oocjax.schedule import plan_window, required_bytes, simulate, simulate_time
+from oocjax.schedule.hybrid import MOVE_MARGIN, plan_hybrid
 from oocjax.schedule.synthetic import layered_training_step
 from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.recompute import recomputable_steps
 from oocjax.transforms.trace import trace_step
+from tests import zoo
 from tests.programs import programs
-from tests.zoo import transformer_dropout_adamw
 
 MiB = 2**20
-CASE = transformer_dropout_adamw()
+
+
+def case():
+    """The zoo's transformer, built on first use (not at collection)."""
+    return zoo.case("transformer_dropout_adamw")
 
 
 @functools.cache
 def in_core() -> int:
-    return ooc_jit(CASE.step, budget=2**62).plan(CASE.state, CASE.batches[0]).baseline_peak_bytes
+    return ooc_jit(case().step, budget=2**62).plan(case().state, case().batches[0]).baseline_peak_bytes
 
 
 @functools.cache
 def planned(fraction: float, recompute: str):
     step = ooc_jit(
-        CASE.step, budget=int(in_core() * fraction), donate_argnums=(0,), min_offload_bytes=4096, recompute=recompute
+        case().step, budget=int(in_core() * fraction), donate_argnums=(0,), min_offload_bytes=4096, recompute=recompute
     )
-    return step, step.plan(CASE.state, CASE.batches[0])
+    return step, step.plan(case().state, case().batches[0])
 
 
 def fresh(state):
@@ -43,7 +48,7 @@ def fresh(state):
 @functools.cache
 def chosen(fraction: float, recompute: str):
     """The plan ``ooc_jit`` chooses at ``fraction`` of in-core, without compiling its segments."""
-    traced = trace_step(CASE.step, CASE.state, CASE.batches[0], donate_argnums=(0,))
+    traced = trace_step(case().step, case().state, case().batches[0], donate_argnums=(0,))
     recomputable = recomputable_steps(traced.flat).__getitem__
     budget = int(in_core() * fraction)
     window = dict(min_offload_bytes=4096)
@@ -53,12 +58,15 @@ def chosen(fraction: float, recompute: str):
 
 
 @pytest.mark.parametrize("fraction", [0.6, 0.35])
-def test_recomputing_moves_strictly_fewer_bytes_than_swap_only_and_is_never_slower_by_the_model(fraction):
+def test_recomputing_moves_strictly_fewer_bytes_than_swap_only_and_is_slower_by_the_model_only_within_the_margin(
+    fraction,
+):
     swap_only, hybrid = chosen(fraction, "off"), chosen(fraction, "auto")
     assert hybrid.rewrite.recomputed and not swap_only.rewrite.recomputed
     moved = [simulate(p.program, p.schedule) for p in (swap_only, hybrid)]
     assert moved[1].h2d_bytes + moved[1].d2h_bytes < moved[0].h2d_bytes + moved[0].d2h_bytes
-    assert hybrid.step_time_s <= hybrid.swap_only_time_s == swap_only.step_time_s
+    assert hybrid.swap_only_time_s == swap_only.step_time_s
+    assert hybrid.step_time_s <= swap_only.step_time_s * (1 + MOVE_MARGIN)
     assert hybrid.rewrite.extra_flops > 0 and moved[1].peak_bytes <= int(in_core() * fraction)
 
 
@@ -75,9 +83,9 @@ def test_a_dropout_model_whose_mask_is_recomputed_trains_like_its_swap_only_plan
     assert len(masks) >= 4, plan.recomputed  # one per dropout after attention and in the MLP, per layer
     swap_only, _ = planned(0.6, "off")
     losses = {}
-    for name, run in (("hybrid", step), ("swap only", swap_only), ("jax.jit", jax.jit(CASE.step))):
-        state, losses[name] = fresh(CASE.state), []
-        for batch in CASE.batches[:2]:
+    for name, run in (("hybrid", step), ("swap only", swap_only), ("jax.jit", jax.jit(case().step))):
+        state, losses[name] = fresh(case().state), []
+        for batch in case().batches[:2]:
             state, metrics = run(state, batch)
             losses[name].append(float(metrics["loss"]))
     # The same key gives the same bits: the recomputed masks drop exactly what the originals dropped.
@@ -94,22 +102,23 @@ def test_where_recomputation_makes_the_step_fit_nothing_moves():
     assert hybrid.recomputed and hybrid.moved_bytes == 0 and not hybrid.offloads and not hybrid.host_inputs
     assert hybrid.executed_peak_bytes <= hybrid.budget_bytes
     step, _ = planned(fraction, "auto")
-    metrics = step(fresh(CASE.state), CASE.batches[0])[1]
-    expected = jax.jit(CASE.step)(CASE.state, CASE.batches[0])[1]
+    metrics = step(fresh(case().state), case().batches[0])[1]
+    expected = jax.jit(case().step)(case().state, case().batches[0])[1]
     np.testing.assert_allclose(float(metrics["loss"]), float(expected["loss"]), rtol=1e-6)
 
 
 def test_an_unknown_recompute_mode_is_refused_naming_the_modes():
     with pytest.raises(ValueError, match=r"recompute must be one of \('auto', 'off', 'always'\) or a function"):
-        ooc_jit(CASE.step, budget=2**30, recompute="sometimes")
+        ooc_jit(case().step, budget=2**30, recompute="sometimes")
 
 
 def test_at_the_in_core_estimate_nothing_is_recomputed_and_jax_jits_program_runs():
-    plan = ooc_jit(CASE.step, budget=in_core(), recompute="always").plan(CASE.state, CASE.batches[0])
+    plan = ooc_jit(case().step, budget=in_core(), recompute="always").plan(case().state, case().batches[0])
     assert not plan.recomputed and not plan.segments and plan.jaxpr is plan.source_jaxpr
 
 
-# The pure-Python choice, on random programs: never slower than swap-only by the model.
+# The pure-Python choice, on random programs: never slower than swap-only by the model by more than
+# MOVE_MARGIN, and slower only where it moves fewer bytes.
 
 
 def everything_recomputable(program):
@@ -118,16 +127,23 @@ def everything_recomputable(program):
 
 @settings(max_examples=60, deadline=None)
 @given(program=programs(), position=st.floats(0.3, 1.0), profile=st.sampled_from(["h100-pcie", "cpu"]))
-def test_the_hybrid_plan_is_valid_within_the_budget_and_never_slower_than_swap_only(program, position, profile):
+def test_the_hybrid_plan_is_valid_within_the_budget_and_slower_than_swap_only_only_to_move_less(
+    program, position, profile
+):
     peak = simulate(program, plan_window(program, 2**62)).peak_bytes
     budget = max(1, int(peak * position))
     try:
         swap = plan_window(program, budget)
-    except Exception:
-        return  # infeasible budgets are the planner's tests' business
+    except BudgetInfeasibleError as error:  # infeasible budgets are the planner's tests' business
+        assert budget < error.required_bytes == max(required_bytes(program))  # and truly infeasible
+        return
     chosen = plan_hybrid(program, budget, recomputable=everything_recomputable(program), profile=profile)
     assert simulate(chosen.program, chosen.schedule).peak_bytes <= budget
-    assert chosen.step_time_s <= simulate_time(program, swap, profile).step_time_s + 1e-12
+    swap_time = simulate_time(program, swap, profile).step_time_s
+    assert chosen.step_time_s <= swap_time * (1 + MOVE_MARGIN) + 1e-12
+    if chosen.step_time_s > swap_time + 1e-12:
+        moved = sum(chosen.program.buffers[m.buffer].nbytes for m in chosen.schedule.moves)
+        assert moved < sum(program.buffers[m.buffer].nbytes for m in swap.moves)
 
 
 def test_on_a_layered_step_recomputation_fits_where_swap_only_moves():

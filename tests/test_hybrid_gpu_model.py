@@ -6,10 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 SMOKE = ["--layers", "2", "--width", "128", "--seq", "128", "--budget-of-in-core", "0.5", "--min-offload", "16384"]
 
 
+@pytest.mark.slow  # 13 s on 2 loaded CPU cores
 def test_the_smoke_model_has_both_rows_and_auto_is_never_slower_than_off(tmp_path):
     out = tmp_path / "hybrid_gpu_model-smoke.json"
     # Calibrated to 10 ms for this tiny step: copies then cost more than recomputing (the tiny step's

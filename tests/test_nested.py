@@ -1,6 +1,7 @@
 """An ``ooc_jit`` step called inside ``jax.jit``, ``jax.grad`` or ``jax.vmap`` runs inline, as a nested
 ``jax.jit`` does, at every budget, and says once that its budget does not hold there."""
 
+import functools
 import warnings
 
 import jax
@@ -26,23 +27,38 @@ def regularised_loss(w, x):
     return value + (grads**2).sum()
 
 
-W = jax.random.normal(jax.random.key(0), (DEPTH, WIDTH, WIDTH)) / WIDTH**0.5
-X = jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
-IN_CORE = ooc_jit(regularised_loss, budget=2**62).plan(W, X).baseline_peak_bytes
+@functools.cache
+def arguments() -> tuple[jax.Array, jax.Array]:
+    """The weights and a batch, made on first use (not when pytest collects the tests)."""
+    w = jax.random.normal(jax.random.key(0), (DEPTH, WIDTH, WIDTH)) / WIDTH**0.5
+    return w, jax.random.normal(jax.random.key(1), (BATCH, WIDTH))
+
+
+@functools.cache
+def in_core() -> int:
+    return ooc_jit(regularised_loss, budget=2**62).plan(*arguments()).baseline_peak_bytes
+
+
 FRACTIONS = {"moves nothing": 2.0, "moves values": 0.4}
 
+
+def in_two_batches(w, x):
+    return w, x.reshape(2, BATCH // 2, WIDTH)
+
+
+# Each transformation, and the arguments it takes from (w, x).
 TRANSFORMS = {
-    "jit": (jax.jit, (W, X)),
-    "grad": (jax.grad, (W, X)),
-    "vmap": (lambda f: jax.vmap(f, in_axes=(None, 0)), (W, X.reshape(2, BATCH // 2, WIDTH))),
+    "jit": (jax.jit, lambda w, x: (w, x)),
+    "grad": (jax.grad, lambda w, x: (w, x)),
+    "vmap": (lambda f: jax.vmap(f, in_axes=(None, 0)), in_two_batches),
 }
 
 
 def step_at(budget_name: str):
     step = ooc_jit(
-        regularised_loss, budget=int(IN_CORE * FRACTIONS[budget_name]), recompute="off", min_offload_bytes="16KiB"
+        regularised_loss, budget=int(in_core() * FRACTIONS[budget_name]), recompute="off", min_offload_bytes="16KiB"
     )
-    plan = step.plan(W, X)
+    plan = step.plan(*arguments())
     assert bool(plan.offloads) == (budget_name == "moves values"), plan  # the premise of the budget's name
     return step
 
@@ -56,7 +72,8 @@ def nested_warnings(caught) -> list[str]:
 def test_an_ooc_jit_step_inside_a_transformation_gives_jax_jits_result_and_warns_that_its_budget_does_not_hold(
     transform, budget_name
 ):
-    wrap, args = TRANSFORMS[transform]
+    wrap, arrange = TRANSFORMS[transform]
+    args = arrange(*arguments())
     step = step_at(budget_name)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -70,17 +87,17 @@ def test_an_ooc_jit_step_inside_a_transformation_gives_jax_jits_result_and_warns
 
 
 def test_the_warning_comes_once_per_step_and_top_level_calls_still_plan_and_hold_the_budget():
-    step = step_at("moves values")
+    step, (w, x) = step_at("moves values"), arguments()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            jax.grad(step)(W, X)
-        jax.jit(step)(W, X)
-        top_level = step(W, X)
+            jax.grad(step)(w, x)
+        jax.jit(step)(w, x)
+        top_level = step(w, x)
     assert len(nested_warnings(caught)) == 1
-    np.testing.assert_allclose(float(top_level), float(jax.jit(regularised_loss)(W, X)), rtol=1e-6)
+    np.testing.assert_allclose(float(top_level), float(jax.jit(regularised_loss)(w, x)), rtol=1e-6)
     other = step_at("moves values")  # another step warns for itself
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        jax.vmap(other, in_axes=(None, 0))(W, X.reshape(2, BATCH // 2, WIDTH))
+        jax.vmap(other, in_axes=(None, 0))(*in_two_batches(w, x))
     assert len(nested_warnings(caught)) == 1

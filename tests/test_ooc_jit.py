@@ -13,6 +13,7 @@ import oocjax.api
 import oocjax.pipeline
 import oocjax.transforms.execute
 from oocjax import BudgetInfeasibleError, OocError, UnsupportedPrimitiveError, ooc_jit, to_device
+from oocjax.budget import resolve_budget
 from oocjax.schedule import format_bytes
 from oocjax.transforms.execute import observe_segments
 
@@ -153,13 +154,24 @@ def test_an_infeasible_budget_names_the_operation_its_line_and_the_smallest_feas
     assert type(error) is BudgetInfeasibleError and error.budget_bytes == 64 * KiB
     message = str(error)
     assert re.search(rf"step {error.step} \(\w+ at test_ooc_jit\.py:\d+ \(\w+\)\) alone needs", message)
-    assert f"The smallest feasible budget is {format_bytes(error.required_bytes)}" in message
+    assert f"The smallest feasible budget is {format_bytes(error.required_bytes, round_up=True)}" in message
     # The budget it names is the smallest that works for plans that move values: one byte less is
     # refused with the same figure. (Recomputation may fit below it: the default tries that too.)
     ooc_jit(mlp_step, budget=error.required_bytes, recompute="off").plan(PARAMS, X)
     with pytest.raises(BudgetInfeasibleError) as one_byte_less:
         ooc_jit(mlp_step, budget=error.required_bytes - 1, recompute="off").plan(PARAMS, X)
     assert one_byte_less.value.required_bytes == error.required_bytes
+
+
+def test_the_smallest_feasible_budget_as_printed_is_accepted_when_passed_back_as_the_budget():
+    with pytest.raises(BudgetInfeasibleError) as caught:
+        ooc_jit(mlp_step, budget="64KiB", recompute="off").plan(PARAMS, X)
+    required = caught.value.required_bytes
+    # A few bytes over 1.75 MiB: rounded to the nearest, the figure would read 1.75 MiB, and be refused.
+    assert resolve_budget(format_bytes(required), device=None) < required
+    printed = re.search(r"raise the budget to at least (\S+ \w+) \(", str(caught.value)).group(1)
+    assert resolve_budget(printed, device=None) >= required
+    ooc_jit(mlp_step, budget=printed, recompute="off").plan(PARAMS, X)
 
 
 @pytest.mark.parametrize(
@@ -404,6 +416,21 @@ def test_state_returned_on_host_works_everywhere_a_user_passes_it_next():
     on_device = to_device(params)
     assert {p.sharding.memory_kind for p in on_device} == {"device"}
     np.testing.assert_allclose(evaluate(on_device, X), expected_loss(X), rtol=1e-5)
+
+
+def test_state_moved_to_host_once_and_not_donated_is_refused_on_its_second_call_with_the_fix_to_donate_it():
+    in_core = ooc_jit(mlp_step, budget=2**62).plan(PARAMS, X).baseline_peak_bytes
+    budget = in_core * 3 // 10  # fits the parameters streamed from host, not the parameters held on the device
+    step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB)
+    params, _ = step(HOST_PARAMS, HOST_X)  # not donated: the new parameters come back on the device
+    why = r"an earlier call of mlp_step took these 4 leaves \(params\) in host memory, and this call passes them in"
+    with pytest.raises(BudgetInfeasibleError, match=rf"(?s){why}.*Fix: donate the state, .*donate_argnums=\(0,\)"):
+        step(params, HOST_X)
+    # As the error says: donated, the state the plan keeps on host comes back there, call after call.
+    donating = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB, donate_argnums=(0,))
+    params = oocjax.to_host(PARAMS)
+    for _ in range(3):
+        params, _ = donating(params, HOST_X)
 
 
 def test_a_donated_argument_moved_to_host_memory_is_deleted_as_jax_jit_deletes_donated_arguments():

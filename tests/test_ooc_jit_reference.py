@@ -13,9 +13,7 @@ import pytest
 import oocjax
 from oocjax import ooc_jit
 from oocjax.transforms.execute import observe_segments
-from tests.zoo import all_cases
-
-CASES = {case.name: case for case in all_cases()}
+from tests import zoo
 
 # Segments are compiled separately, so XLA fuses within each one only, which may reassociate float32
 # arithmetic. Adam divides by the root of tiny second moments, which turns those last-bit
@@ -42,13 +40,14 @@ def fresh(state):
 
 @functools.cache
 def in_core_estimate(name: str) -> int:
-    case = CASES[name]
+    case = zoo.case(name)
     return ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0]).baseline_peak_bytes
 
 
 @functools.cache
 def reference_run(name: str) -> list:
-    case, state, results = CASES[name], CASES[name].state, []
+    case = zoo.case(name)
+    state, results = case.state, []
     for batch in case.batches:
         state, metrics = jax.jit(case.step)(state, batch)
         results.append((state, metrics))
@@ -74,9 +73,9 @@ def device_bytes_at_each_boundary(step, state, batch) -> tuple[list, list[tuple[
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.6, 0.35], ids=["100%", "60%", "35%"])
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(zoo.BUILDERS))
 def test_ooc_jit_trains_like_jax_jit_within_the_budget(name, fraction):
-    case = CASES[name]
+    case = zoo.case(name)
     budget = int(in_core_estimate(name) * fraction)
     step = ooc_jit(case.step, budget=budget, donate_argnums=(0,) if case.donate else (), min_offload_bytes=4096)
     # A state the step does not own (not donated) is passed in host memory when values must move:

@@ -3,6 +3,7 @@ are read back by the next instead of being made again (``oocjax.plan_cache``).""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -17,12 +18,20 @@ import oocjax.pipeline
 from oocjax import ooc_jit
 from tests.zoo import mlp_adam
 
-CASE = mlp_adam()
-IN_CORE = ooc_jit(CASE.step, budget=2**62).plan(CASE.state, CASE.batches[0]).baseline_peak_bytes  # before any cache
+
+@functools.cache
+def case():
+    return mlp_adam()
+
+
+@functools.cache
+def in_core() -> int:
+    return ooc_jit(case().step, budget=2**62).plan(case().state, case().batches[0]).baseline_peak_bytes
 
 
 @pytest.fixture
 def cache_dir(tmp_path):
+    in_core()  # planned before any cache is set: that plan is no entry of the tests' caches
     previous = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(tmp_path))
     yield tmp_path
@@ -35,7 +44,7 @@ def fresh(state):
 
 def make_step(fraction: float = 0.35, **options):
     options = dict(recompute="off", min_offload_bytes=4096) | options
-    return ooc_jit(CASE.step, budget=int(IN_CORE * fraction), donate_argnums=(0,), **options)
+    return ooc_jit(case().step, budget=int(in_core() * fraction), donate_argnums=(0,), **options)
 
 
 def entries(cache_dir) -> list:
@@ -44,8 +53,8 @@ def entries(cache_dir) -> list:
 
 def test_a_new_wrapper_reads_the_plan_and_programs_instead_of_planning_and_compiling(cache_dir, monkeypatch):
     first = make_step()
-    expected = first(fresh(CASE.state), CASE.batches[0])
-    plan = first.plan(CASE.state, CASE.batches[0])
+    expected = first(fresh(case().state), case().batches[0])
+    plan = first.plan(case().state, case().batches[0])
     assert plan.segments and plan.schedule.moves and len(entries(cache_dir)) == 1
 
     def refuse(*args, **kwargs):
@@ -54,35 +63,35 @@ def test_a_new_wrapper_reads_the_plan_and_programs_instead_of_planning_and_compi
     monkeypatch.setattr(oocjax.pipeline, "_choose", refuse)
     monkeypatch.setattr(oocjax.pipeline, "compile_segments", refuse)
     second = make_step()
-    actual = second(fresh(CASE.state), CASE.batches[0])
+    actual = second(fresh(case().state), case().batches[0])
     jax.tree.map(np.testing.assert_array_equal, actual, expected)
-    again = second.plan(CASE.state, CASE.batches[0])
+    again = second.plan(case().state, case().batches[0])
     assert again.segments == plan.segments and again.segment_costs == plan.segment_costs
     assert again.schedule == plan.schedule and again.executed_peak_bytes == plan.executed_peak_bytes
 
 
 def test_another_budget_or_options_plans_again(cache_dir):
-    make_step(0.35)(fresh(CASE.state), CASE.batches[0])
-    make_step(0.5)(fresh(CASE.state), CASE.batches[0])
-    make_step(0.35, min_offload_bytes=8192)(fresh(CASE.state), CASE.batches[0])
+    make_step(0.35)(fresh(case().state), case().batches[0])
+    make_step(0.5)(fresh(case().state), case().batches[0])
+    make_step(0.35, min_offload_bytes=8192)(fresh(case().state), case().batches[0])
     assert len(entries(cache_dir)) == 3
 
 
 def test_a_recompute_policy_function_is_never_cached(cache_dir):
-    make_step(recompute=lambda name, label: None)(fresh(CASE.state), CASE.batches[0])
+    make_step(recompute=lambda name, label: None)(fresh(case().state), case().batches[0])
     assert entries(cache_dir) == []
 
 
 def test_an_unreadable_entry_is_ignored_with_a_warning_and_replaced(cache_dir):
-    expected = make_step()(fresh(CASE.state), CASE.batches[0])
+    expected = make_step()(fresh(case().state), case().batches[0])
     (entry,) = entries(cache_dir)
     entry.write_bytes(b"not a plan")
     with pytest.warns(UserWarning, match="unreadable plan cache entry"):
-        actual = make_step()(fresh(CASE.state), CASE.batches[0])
+        actual = make_step()(fresh(case().state), case().batches[0])
     jax.tree.map(np.testing.assert_array_equal, actual, expected)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        make_step().plan(CASE.state, CASE.batches[0])  # the entry was written again
+        make_step().plan(case().state, case().batches[0])  # the entry was written again
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Nothing lost: a donated training state survives every plan, a failed call, two threads, and the
 caller's own arrays count against the budget."""
 
+import functools
 import threading
 from dataclasses import replace
 
@@ -37,7 +38,9 @@ def train_step(state, batch):
     return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
 
 
+@functools.cache
 def batches(n: int = 3) -> list:
+    """``n`` batches, made once, on first use."""
     keys = jax.random.split(jax.random.key(1), 2 * n)
     return [
         (jax.random.normal(keys[2 * i], (BATCH, WIDTH)), jax.random.normal(keys[2 * i + 1], (BATCH, WIDTH)))
@@ -45,13 +48,14 @@ def batches(n: int = 3) -> list:
     ]
 
 
-BATCHES = batches()
-IN_CORE = ooc_jit(train_step, budget=2**62).plan(mlp_state(), BATCHES[0]).baseline_peak_bytes
+@functools.cache
+def in_core() -> int:
+    return ooc_jit(train_step, budget=2**62).plan(mlp_state(), batches()[0]).baseline_peak_bytes
 
 
 def reference(state, steps: int = 3) -> list:
     results = []
-    for batch in BATCHES[:steps]:
+    for batch in batches()[:steps]:
         state, loss = jax.jit(train_step)(state, batch)
         results.append((state, loss))
     return results
@@ -70,9 +74,9 @@ def live_leaves(tree) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("fraction", [0.30, 0.35, 0.40, 0.45, 0.50, 0.55, 0.60])
 def test_a_donated_sgd_momentum_state_trains_like_jax_jit_at_every_budget_and_no_leaf_is_lost(fraction):
-    step = ooc_jit(train_step, budget=int(IN_CORE * fraction), donate_argnums=(0,), min_offload_bytes="16KiB")
+    step = ooc_jit(train_step, budget=int(in_core() * fraction), donate_argnums=(0,), min_offload_bytes="16KiB")
     state = mlp_state()
-    for batch, (expected_state, expected_loss) in zip(BATCHES, reference(mlp_state())):
+    for batch, (expected_state, expected_loss) in zip(batches(), reference(mlp_state())):
         state, loss = step(state, batch)
         assert live_leaves(state) == 24, "every leaf of the returned state is alive"
         assert_close((state, loss), (expected_state, expected_loss))
@@ -81,8 +85,8 @@ def test_a_donated_sgd_momentum_state_trains_like_jax_jit_at_every_budget_and_no
 def host_state_step(fraction: float = 0.35):
     """The MLP step at ``fraction`` of in-core, and a state as the step returns it after one call:
     the part the plan keeps on host comes back in host memory."""
-    step = ooc_jit(train_step, budget=int(IN_CORE * fraction), donate_argnums=(0,), min_offload_bytes="16KiB")
-    state, _ = step(mlp_state(), BATCHES[0])
+    step = ooc_jit(train_step, budget=int(in_core() * fraction), donate_argnums=(0,), min_offload_bytes="16KiB")
+    state, _ = step(mlp_state(), batches()[0])
     assert any(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(state)), "some state lives on host"
     return step, state
 
@@ -98,21 +102,21 @@ def interrupt_at(segment: int):
 def test_an_interrupt_before_the_first_launch_leaves_the_donated_state_whole_and_reusable():
     step, state = host_state_step()
     with observe_segments(interrupt_at(0)), pytest.raises(KeyboardInterrupt):
-        step(state, BATCHES[1])
+        step(state, batches()[1])
     assert live_leaves(state) == 24
     expected = reference(mlp_state(), steps=3)[2]
-    state, loss = step(state, BATCHES[1])
-    state, loss = step(state, BATCHES[2])
+    state, loss = step(state, batches()[1])
+    state, loss = step(state, batches()[2])
     assert_close((state, loss), expected)
 
 
 def test_an_interrupt_between_segments_keeps_host_kept_state_and_names_the_consumed_device_leaves():
     step, state = host_state_step()
-    plan = step.plan(state, BATCHES[1])
+    plan = step.plan(state, batches()[1])
     labels = {x: label for x, label in zip(map(id, jax.tree.leaves(state)), _leaf_paths(state))}
     host_kept = [x for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host"]
     with observe_segments(interrupt_at(len(plan.segments) - 1)), pytest.raises(KeyboardInterrupt) as caught:
-        step(state, BATCHES[1])
+        step(state, batches()[1])
     assert not any(x.is_deleted() for x in host_kept), "state kept in host memory survives a failed call"
     gone = [labels[id(x)] for x in jax.tree.leaves(state) if x.is_deleted()]
     notes = "\n".join(getattr(caught.value, "__notes__", []))
@@ -128,11 +132,11 @@ def _leaf_paths(tree) -> list[str]:
 
 def test_a_failed_call_keeps_none_of_its_intermediate_arrays_alive_through_the_exception():
     step, state = host_state_step()
-    plan = step.plan(state, BATCHES[1])
+    plan = step.plan(state, batches()[1])
     before = {id(x) for x in jax.live_arrays()}
     with observe_segments(interrupt_at(len(plan.segments) // 2)):
         try:
-            step(state, BATCHES[1])
+            step(state, batches()[1])
         except KeyboardInterrupt as error:
             kept = error  # the caller holds on to the exception
     made = [x for x in jax.live_arrays() if id(x) not in before and not x.is_deleted()]
@@ -140,18 +144,18 @@ def test_a_failed_call_keeps_none_of_its_intermediate_arrays_alive_through_the_e
 
 
 def test_two_threads_calling_one_step_get_the_serial_results_and_each_call_holds_the_budget():
-    budget = int(IN_CORE * 0.4)
+    budget = int(in_core() * 0.4)
     params = oocjax.to_host(mlp_state()["params"])  # not donated: the step streams them from host
     grad_step = ooc_jit(jax.value_and_grad(loss_fn), budget=budget, min_offload_bytes="16KiB")
-    plan = grad_step.plan(params, *BATCHES[0])
+    plan = grad_step.plan(params, *batches()[0])
     assert plan.segments and plan.moved_bytes > 0, "the step runs as a chain that moves values"
-    serial = [grad_step(params, *BATCHES[i % 3]) for i in range(3)]
+    serial = [grad_step(params, *batches()[i % 3]) for i in range(3)]
     results, errors, launches = {}, [], []
 
     def worker(thread: int) -> None:
         try:
             for i in range(20):
-                results[thread, i] = grad_step(params, *BATCHES[i % 3])
+                results[thread, i] = grad_step(params, *batches()[i % 3])
         except Exception as error:
             errors.append(error)
 
@@ -187,14 +191,14 @@ def device_bytes_during(step, *args) -> int:
 def test_a_state_the_caller_keeps_on_the_device_is_counted_there_and_not_copied_to_host():
     state = mlp_state()  # on the device, not donated: the caller still holds every byte of it
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    budget = int(IN_CORE * 0.75)
+    budget = int(in_core() * 0.75)
     assert state_bytes < budget
     step = ooc_jit(train_step, budget=budget, min_offload_bytes="16KiB")
-    plan = step.plan(state, BATCHES[0])
+    plan = step.plan(state, batches()[0])
     assert plan.offloads, "the budget still makes the step move activations"
     assert set(plan.input_kinds) == {"device"} and not plan.host_inputs
-    assert device_bytes_during(step, state, BATCHES[0]) <= budget
-    assert_close(step(state, BATCHES[0]), reference(mlp_state(), steps=1)[0])
+    assert device_bytes_during(step, state, batches()[0]) <= budget
+    assert_close(step(state, batches()[0]), reference(mlp_state(), steps=1)[0])
 
 
 def test_a_budget_only_the_kept_arguments_break_names_them_with_the_fixes():
@@ -202,28 +206,28 @@ def test_a_budget_only_the_kept_arguments_break_names_them_with_the_fixes():
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     step = ooc_jit(train_step, budget=int(state_bytes * 0.9), min_offload_bytes="16KiB")
     with pytest.raises(BudgetInfeasibleError, match=r"keep on the device") as caught:
-        step(state, BATCHES[0])
+        step(state, batches()[0])
     message = str(caught.value)
     assert "state['params'][0]['w']" in message and "donate" in message and "oocjax.to_host" in message
     assert live_leaves(state) == 24
     # The fixes it names work: the same state passed in host memory, or donated.
-    assert_close(step(oocjax.to_host(state), BATCHES[0]), reference(mlp_state(), steps=1)[0])
+    assert_close(step(oocjax.to_host(state), batches()[0]), reference(mlp_state(), steps=1)[0])
 
 
 def test_a_host_budget_below_the_host_peak_is_refused_before_anything_runs():
     state = mlp_state()
     step = ooc_jit(
-        train_step, budget=int(IN_CORE * 0.35), donate_argnums=(0,), min_offload_bytes="16KiB", host_budget="64KiB"
+        train_step, budget=int(in_core() * 0.35), donate_argnums=(0,), min_offload_bytes="16KiB", host_budget="64KiB"
     )
     with pytest.raises(OocError, match=r"of host memory at its peak.*host_budget \(64 KiB\)"):
-        step(state, BATCHES[0])
+        step(state, batches()[0])
     assert live_leaves(state) == 24, "nothing ran: the donated state is untouched"
 
 
 def test_donated_state_kept_on_host_is_deleted_when_the_call_succeeds_as_jax_jit_deletes_donated_arrays():
     step, state = host_state_step()
     host_kept = [x for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host"]
-    new_state, _ = step(state, BATCHES[1])
+    new_state, _ = step(state, batches()[1])
     assert all(x.is_deleted() for x in host_kept)
     assert live_leaves(new_state) == 24
 
@@ -255,7 +259,7 @@ def test_a_plan_the_simulator_rejects_never_runs_and_the_error_says_why(monkeypa
 
     monkeypatch.setattr(oocjax.pipeline, "plan_window", offloading_twice)
     state = mlp_state()
-    step = ooc_jit(train_step, budget=int(IN_CORE * 0.4), donate_argnums=(0,), min_offload_bytes="16KiB")
+    step = ooc_jit(train_step, budget=int(in_core() * 0.4), donate_argnums=(0,), min_offload_bytes="16KiB")
     with pytest.raises(OocError, match=r"its own simulator rejects .*\n  - buffer \d+ .* is offloaded twice"):
-        step(state, BATCHES[0])
+        step(state, batches()[0])
     assert live_leaves(state) == 24, "nothing ran: the donated state is untouched"

@@ -28,7 +28,12 @@ def mlp_step(params, x):
 
 PARAMS = [jnp.eye(128) * 0.9 for _ in range(6)]
 X = jnp.linspace(-1, 1, 512 * 128).reshape(512, 128)
-BUDGET = int(ooc_jit(mlp_step, budget=2**62).plan(PARAMS, X).baseline_peak_bytes * 0.6)
+
+
+@pytest.fixture(scope="module")
+def budget() -> int:
+    """60% of the step's in-core estimate, planned once for the module (not when pytest collects it)."""
+    return int(ooc_jit(mlp_step, budget=2**62).plan(PARAMS, X).baseline_peak_bytes * 0.6)
 
 
 def device_peaks(monkeypatch, peak_of_call):
@@ -37,16 +42,16 @@ def device_peaks(monkeypatch, peak_of_call):
     monkeypatch.setattr(execute, "peak_reader", lambda device: lambda: 0 if next(reads) % 2 == 0 else peak_of_call())
 
 
-def test_a_call_measured_over_the_budget_is_planned_again_with_the_excess_as_headroom(monkeypatch):
+def test_a_call_measured_over_the_budget_is_planned_again_with_the_excess_as_headroom(monkeypatch, budget):
     calls = itertools.count()
-    device_peaks(monkeypatch, lambda: BUDGET + BUDGET // 10 if next(calls) == 0 else BUDGET - 1)
-    step = ooc_jit(mlp_step, budget=BUDGET, min_offload_bytes=4096)
+    device_peaks(monkeypatch, lambda: budget + budget // 10 if next(calls) == 0 else budget - 1)
+    step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4096)
     assert step.plan(PARAMS, X).headroom_bytes == 0  # a CPU starts with none
     with pytest.warns(UserWarning, match=r"over its budget of .*; planned again with .* of headroom"):
         params, _ = step(PARAMS, X)
     plan = step.plan(PARAMS, X)
-    assert plan.headroom_bytes >= BUDGET // 10
-    assert plan.executed_peak_bytes <= BUDGET - plan.headroom_bytes and plan.budget_bytes == BUDGET
+    assert plan.headroom_bytes >= budget // 10
+    assert plan.executed_peak_bytes <= budget - plan.headroom_bytes and plan.budget_bytes == budget
     params, loss = step(params, X)  # measured within the budget now: no warning, no new plan
     assert step.plan(PARAMS, X) is plan
     reference = jax.jit(mlp_step)
@@ -56,9 +61,9 @@ def test_a_call_measured_over_the_budget_is_planned_again_with_the_excess_as_hea
         np.testing.assert_allclose(p, e, atol=2e-5)
 
 
-def test_a_step_that_stays_over_is_planned_again_a_bounded_number_of_times_then_only_warned_about(monkeypatch):
-    device_peaks(monkeypatch, lambda: BUDGET + 2**16)
-    step = ooc_jit(mlp_step, budget=BUDGET, min_offload_bytes=4096)
+def test_a_step_that_stays_over_is_planned_again_a_bounded_number_of_times_then_only_warned_about(monkeypatch, budget):
+    device_peaks(monkeypatch, lambda: budget + 2**16)
+    step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4096)
     plans = [step.plan(PARAMS, X)]
     for _ in range(MAX_RUNTIME_REPLANS):
         with pytest.warns(UserWarning, match="planned again with"):
@@ -70,19 +75,21 @@ def test_a_step_that_stays_over_is_planned_again_a_bounded_number_of_times_then_
     assert step.plan(PARAMS, X) is plans[-1]
 
 
-def test_headroom_can_be_set_with_units_and_is_left_free_by_the_plan():
-    step = ooc_jit(mlp_step, budget=BUDGET, min_offload_bytes=4096, headroom_bytes="64KiB")
+def test_headroom_can_be_set_with_units_and_is_left_free_by_the_plan(budget):
+    step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4096, headroom_bytes="64KiB")
     plan = step.plan(PARAMS, X)
     assert plan.headroom_bytes == 64 * 1024
-    assert plan.executed_peak_bytes <= BUDGET - 64 * 1024
+    assert plan.executed_peak_bytes <= budget - 64 * 1024
     with pytest.raises(ValueError, match=r"headroom_bytes .* must be below the budget"):
         ooc_jit(mlp_step, budget="1MiB", headroom_bytes="1MiB")
 
 
-def test_in_a_multi_process_run_a_call_over_the_budget_is_only_warned_about_with_the_headroom_to_pass(monkeypatch):
+def test_in_a_multi_process_run_a_call_over_the_budget_is_only_warned_about_with_the_headroom_to_pass(
+    monkeypatch, budget
+):
     # Another plan in one process alone would launch other programs than the others run.
-    device_peaks(monkeypatch, lambda: BUDGET + 2**16)
-    step = ooc_jit(mlp_step, budget=BUDGET, min_offload_bytes=4096)
+    device_peaks(monkeypatch, lambda: budget + 2**16)
+    step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4096)
     plan = step.plan(PARAMS, X)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.warns(UserWarning, match=r"not planned again, because every process .* pass headroom_bytes=\d+"):

@@ -1,9 +1,12 @@
 """Properties of the window planner over random programs (a few hundred each, derandomized)."""
 
+import re
+
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
+from oocjax.budget import resolve_budget
 from oocjax.errors import BudgetInfeasibleError
 from oocjax.schedule import Offload, Prefetch, Program, keep_all, plan_window, required_bytes, simulate, validate
 from oocjax.schedule.window import _RangeMax
@@ -60,6 +63,23 @@ def test_an_infeasible_budget_raises_and_never_returns_a_plan(program, fraction)
         plan_window(program, budget)
     assert caught.value.required_bytes == need
     assert caught.value.budget_bytes == budget
+
+
+def one_operation_of(nbytes: int) -> Program:
+    return Program.from_ops([("make_y", [], ["y"])], {"y": nbytes}, inputs=[], outputs=["y"])
+
+
+@given(programs(), st.floats(0.0, 0.999))
+@example(one_operation_of(24_894_632), 0.5)  # 23.74 MiB, once printed as "at least 23.7 MiB"
+def test_the_smallest_budget_an_infeasible_budget_names_is_accepted_as_printed(program, fraction):
+    need = smallest_feasible(program)
+    budget = int(need * fraction)
+    assume(0 < budget < need)
+    with pytest.raises(BudgetInfeasibleError) as caught:
+        plan_window(program, budget)
+    printed = re.search(r"raise the budget to at least (\S+ \w+) \(", str(caught.value)).group(1)
+    assert resolve_budget(printed, device=None) >= need, printed
+    plan_window(program, resolve_budget(printed, device=None))  # passed back as the budget, it is accepted
 
 
 @given(programs(), st.floats(0.0, 1.0), st.sampled_from([1.0, 1.5, 3.0]))

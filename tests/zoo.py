@@ -7,6 +7,7 @@ plain functions: the tests jit them with ``jax.jit`` and with ``ooc_jit`` and co
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -120,10 +121,21 @@ def transformer_dropout_adamw(layers: int = 4) -> Case:
     )
 
 
-def all_cases() -> list[Case]:
-    return [
-        mlp_adam(),
-        mlp_adam(jnp.bfloat16, name="mlp_bfloat16_adam"),
-        cnn_batchnorm_momentum(),
-        transformer_dropout_adamw(),
-    ]
+# Each case by name, and whether it donates its state: known without building it (building initialises
+# a model, seconds each), so that tests parametrize over names and build a case on first use, not when
+# pytest collects them.
+BUILDERS: dict[str, Callable[[], Case]] = {
+    "mlp_adam": mlp_adam,
+    "mlp_bfloat16_adam": functools.partial(mlp_adam, jnp.bfloat16, name="mlp_bfloat16_adam"),
+    "cnn_batchnorm_momentum": cnn_batchnorm_momentum,
+    "transformer_dropout_adamw": transformer_dropout_adamw,
+}
+DONATED = ("mlp_adam", "mlp_bfloat16_adam", "transformer_dropout_adamw")
+
+
+@functools.cache
+def case(name: str) -> Case:
+    """The case ``name``, built once per process. Shared: tests copy its state before donating it."""
+    built = BUILDERS[name]()
+    assert built.name == name and built.donate == (name in DONATED), (name, built.donate)
+    return built

@@ -37,12 +37,20 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS.get(unit, 1))
 
 
-def format_bytes(nbytes: int) -> str:
+def format_bytes(nbytes: int, *, round_up: bool = False) -> str:
     """Renders a byte count with binary units, three significant digits.
+
+    With ``round_up``, the last digit printed is rounded up rather than to the nearest, so that the
+    figure read back (``parse_bytes``) is at least ``nbytes``: for a smallest budget, which users
+    pass back as it is printed.
 
     >>> format_bytes(3 * 2**30 // 2), format_bytes(1010 * 1024)
     ('1.5 GiB', '1010 KiB')
+    >>> format_bytes(24_894_632), format_bytes(24_894_632, round_up=True)
+    ('23.7 MiB', '23.8 MiB')
     """
+    if round_up and nbytes >= 0:
+        return _format_bytes_up(nbytes)
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024:
@@ -52,3 +60,19 @@ def format_bytes(nbytes: int) -> str:
             )
         value /= 1024
     return f"{value:.3g} TiB"
+
+
+def _format_bytes_up(nbytes: int) -> str:
+    """``format_bytes`` rounded up, in integer arithmetic: a float's own rounding could land below."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    power = 0
+    while power < len(units) - 1 and nbytes >= 1024 ** (power + 1):
+        power += 1
+    if power == 0:
+        return f"{nbytes} B"
+    scale = 1024**power
+    decimals = 2 if nbytes < 10 * scale else 1 if nbytes < 100 * scale else 0
+    steps = -(-nbytes * 10**decimals // scale)  # ceil(nbytes / scale) in units of the last digit printed
+    whole, fraction = divmod(steps, 10**decimals)
+    text = f"{whole}.{fraction:0{decimals}d}".rstrip("0").rstrip(".") if decimals else str(whole)
+    return f"{text} {units[power]}"

@@ -117,7 +117,8 @@ def check_feasible(program: Program, budget_bytes: int, min_offload_bytes: int =
     worst = max(range(len(need)), key=need.__getitem__)
     step = program.steps[worst]
     own = sum(program.buffers[b].nbytes for b in (*step.reads, *step.writes)) + step.transient_bytes
-    smallest = format_bytes(need[worst])
+    # Rounded up: the figure, passed back as the budget, must be accepted.
+    smallest = format_bytes(need[worst], round_up=True)
     fixes = [
         f"raise the budget to at least {smallest} ({need[worst]} bytes);",
         "make that operation smaller: a smaller batch, or split it (chunk the sequence, the vocabulary "

@@ -390,6 +390,13 @@ class ChainExecutor:
         if any(run.donated):
             donated = [x for x, d in zip(inputs, run.donated) if d]
             memory.consumed(donated, probe)
+            # XLA may leave a donation unused (no result of that shape and type to write over: jax
+            # warns "Some donated buffers were not usable"), and jax then keeps the array: a caller's
+            # donated argument would stay on the device, out of the account, until the call ends. This
+            # launch is its last device use, as the plan counts it: delete it, as a used donation does.
+            for x in donated:
+                if not x.is_deleted():
+                    x.delete()
             self.consumed_arguments += [
                 self.argument_of_slot[b]
                 for b, d, x in zip(run.inputs, run.donated, inputs)
