@@ -566,7 +566,7 @@ def _refuse_for_held_arguments(program: Program, error: BudgetInfeasibleError, o
         f"whole step):\n{listed}{more}\n"
         "Fixes:\n  1. donate them (donate_argnums), so that the step may move them;\n"
         "  2. pass them in host memory: oocjax.to_host(x), or jax.device_put(x, jax.memory.Space.Host);\n"
-        f"  3. raise the budget to at least {format_bytes(error.required_bytes)}."
+        f"  3. raise the budget to at least {format_bytes(error.required_bytes, round_up=True)}."
     ) from None
 
 
@@ -578,7 +578,7 @@ def _count(name: str, value: Any, *, smallest: int) -> int:
 
 def _over_budget_message(budget: int, history: list[tuple[int, int]], smallest: int | None) -> str:
     tries = "; ".join(f"planned for {format_bytes(p)}, measured {format_bytes(c)}" for p, c in history)
-    limit = "" if smallest is None else f" (the planner cannot go below {format_bytes(smallest)})"
+    limit = "" if smallest is None else f" (the planner cannot go below {format_bytes(smallest, round_up=True)})"
     return (
         f"the compiled segments of the step do not fit the budget of {format_bytes(budget)}: {tries}{limit}.\n"
         "XLA adds memory the plan's estimate cannot see (padding, fusion scratch, its own rematerialisation).\n"

@@ -105,10 +105,13 @@ def plan_hybrid(
     if recompute != "off" and not (swap is not None and swap.moves_nothing):
         rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes, forced=forced)
         rewrites = [(choose_recompute(program, budget_bytes, **rules), False)]
-        if blocks and recompute == "auto":  # per-block remat, then the selector's picks on top of it
-            by_block = dict.fromkeys(block_targets(program, blocks, backward_start), backward_start)
-            rewrites.append((choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True))
         candidates += _planned(rewrites, planner, budget_bytes, window, profile)
+        # Per-block remat, then the selector's picks on top of it: only where the selector alone still
+        # moves (recomputing by block recomputes more, so where neither moves it is the slower).
+        if blocks and recompute == "auto" and not any(c.schedule.moves_nothing for c in candidates):
+            by_block = dict.fromkeys(block_targets(program, blocks, backward_start), backward_start)
+            rewrites = [(choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True)]
+            candidates += _planned(rewrites, planner, budget_bytes, window, profile)
     if not candidates:
         raise infeasible
     forcing = recompute == "always" or callable(recompute)
