@@ -12,7 +12,7 @@ running ``gpu_check.py`` on the GPU.
 2. **Calibrate** an H200 profile: ``PROFILES["h200"]`` with the link set to the measured jitted
    1 GiB rates of that run (53.6 GB/s device-to-host, 53.9 GB/s host-to-device) and a per-copy
    latency per direction fitted (latency + bytes / bandwidth, least squares on relative time) to
-   the eager ``jax.device_put`` figures of JAX_XLA_NOTES.md (1 MiB to 1 GiB: about 0.2 ms); then
+   eager ``jax.device_put`` figures measured on an H200 (``EAGER_GB_PER_S``, 1 MiB to 1 GiB: about 0.2 ms); then
    ``flops_per_s`` and ``hbm_bytes_per_s`` scaled by one common factor so that ``simulate_time`` of
    the in-core program (``keep_all``) equals ``jax.jit``'s measured step time (0.092 s).
 3. **Plan** at the measured budget less the GPU headroom (``pipeline.DEFAULT_HEADROOM["gpu"]``: the
@@ -71,8 +71,8 @@ from oocjax.transforms.trace import trace_step
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "results" / "gpu-nvidia-h200-2026-11-26-headroom.json"
-NOTES = "/work/shared/docs/JAX_XLA_NOTES.md, 'Link, H200 host link'"
-# JAX_XLA_NOTES.md: eager jax.device_put per transfer on the H200, GB/s at each size (D2H, H2D).
+NOTES = "eager jax.device_put timings measured on an H200 in a GPU session (EAGER_GB_PER_S below)"
+# Eager jax.device_put per transfer on the H200, GB/s at each size (D2H, H2D), as measured there.
 EAGER_GB_PER_S = {
     "d2h": {MiB: 4.8, 4 * MiB: 14, 16 * MiB: 33, 64 * MiB: 43, 256 * MiB: 46, 1024 * MiB: 53},
     "h2d": {MiB: 5.7, 4 * MiB: 16, 16 * MiB: 34, 64 * MiB: 39, 256 * MiB: 50, 1024 * MiB: 53.5},

@@ -59,7 +59,7 @@ def test_a_value_nobody_reads_has_no_step_and_the_chain_that_built_it_dies_with_
 
 def masked_softmax_loss(x):
     """A causal mask applied with ``where``: its backward builds the cotangent of the constant branch,
-    which nobody reads (RECOMPUTE.md section 2)."""
+    which nobody reads."""
     mask = jnp.tril(jnp.ones((x.shape[-1], x.shape[-1]), bool))
     return jax.nn.softmax(jnp.where(mask, x, -1e9), axis=-1).sum()
 

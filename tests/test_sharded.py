@@ -1,5 +1,5 @@
 """Steps on a mesh of 8 virtual CPU devices: the budget is per device, layouts go through the whole
-pipeline, and results match ``jax.jit``'s (SPMD.md).
+pipeline, and results match ``jax.jit``'s.
 
 ``XLA_FLAGS`` must hold the device count before jax starts, so each layout runs in its own process
 (``tests/sharded_steps.py``), which prints what it measured as JSON; the assertions are here. Each

@@ -46,7 +46,7 @@ def test_benchmarks_import_no_private_name_of_oocjax():
 
 def test_oocjax_reads_only_this_processs_devices():
     # In a multi-process run jax.devices()[0] belongs to process 0: reading its memory statistics
-    # from another process crashes (SPMD.md). Local devices, or the step's own, only.
+    # from another process crashes. Local devices, or the step's own, only.
     calls = [
         f"{path.relative_to(ROOT)}:{node.lineno}"
         for path in modules("oocjax")

@@ -1,7 +1,7 @@
 """The window planner on programs small enough to plan by hand.
 
 The expected schedules below were worked out by stepping through the algorithm on paper
-(ALGORITHM.md section 1); the comments give the reasoning that fixes each move.
+(Hayakawa & Narihira 2020); the comments give the reasoning that fixes each move.
 """
 
 import pytest

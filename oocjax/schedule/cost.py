@@ -8,14 +8,14 @@ and device-to-host copies each run on their own stream. Dependencies:
     offloads that must complete before it (``done_before_step``: their memory is what it runs in);
   * an offload starts after the step it follows, when the device-to-host stream is free.
 A copy costs a fixed latency plus its bytes over the link's bandwidth, per direction: small eager
-copies run far below the link's rate (JAX_XLA_NOTES.md, "Measured on a real GPU"). The step ends
+copies run far below the link's rate (measured on an H200). The step ends
 when compute and every copy are done. The lower bound is the largest of the compute time, each
-direction's bytes over its bandwidth (ALGORITHM.md section 4), and, for a schedule made for a budget,
+direction's bytes over its bandwidth, and, for a schedule made for a budget,
 the pressure bound (``recompute.pressure_bound``): the bytes over the budget at the forward/backward
 turn leave before it and come back after it, so the two directions cannot overlap there.
 
 ``calibrate_program_costs`` fits the profile's compute rates to measured segment times, so that the
-same model predicts what the device really does (RECOMPUTE.md section 5, "Costs").
+same model predicts what the device really does.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class DeviceProfile:
         return latency + nbytes / self.d2h_bytes_per_s
 
 
-_DATASHEET = "NVIDIA datasheet dense BF16 at 50% utilisation; link figures from ALGORITHM.md section 4"
+_DATASHEET = "NVIDIA datasheet dense BF16 at 50% utilisation; publicly reported PCIe Gen5 and NVLink-C2C links"
 
 _PCIE_LINK = (35e9, 50e9)  # host-to-device, device-to-host bytes/s
 
@@ -229,7 +229,7 @@ def simulate_time(program: Program, schedule: Schedule, profile: DeviceProfile |
 
 def _lower_bound(program: Program, schedule: Schedule, profile: DeviceProfile, compute_s: float) -> float:
     """Seconds this schedule cannot beat (``TimedResult.lower_bound_s``). The link terms leave the
-    copies' latencies out, as ALGORITHM.md's bound does (adding them would still be a bound)."""
+    copies' latencies out (adding them would still be a bound)."""
     nbytes = [b.nbytes for b in program.buffers]
     h2d = sum(nbytes[p.buffer] for p in schedule.prefetches) / profile.h2d_bytes_per_s
     d2h = sum(nbytes[o.buffer] for o in schedule.offloads) / profile.d2h_bytes_per_s

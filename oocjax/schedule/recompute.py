@@ -8,7 +8,7 @@ the choice PoocH (Ito et al. 2019, arXiv 1907.05013) makes per layer and Capuchi
 ASPLOS'20) makes per tensor, ranking candidates by bytes saved per second of recomputation.
 
 **The rewrite** (``recompute_program``). Recomputation is a ``Program`` -> ``Program`` rewrite, made
-before the window planner (RECOMPUTE.md section 5), so liveness, the planner, the simulator and the
+before the window planner, so liveness, the planner, the simulator and the
 executor need no change. For each *target* (a computed value), its touches (its definition, then
 its reads) are split at one run of steps with no touch: by default the longest (the first on a
 tie), or the one containing a given step. The reads before it are served by the original, which
@@ -28,7 +28,7 @@ appended as ``computed`` buffers labelled "recompute of <label>". ``Rewrite.orig
 ``origin_buffer`` say what each new step runs and what each new buffer holds, so the transforms
 layer can bind the original equations with remapped buffers.
 
-**The selector** (``choose_recompute``): the first (pressure) phase of RECOMPUTE.md section 5,
+**The selector** (``choose_recompute``): the pressure phase of a swap-or-recompute choice,
 greedy as in Capuchin. At the in-core peak step of the program rewritten so far, the candidates are
 the original computed values live across it (not read there), not yet chosen, whose producer may be
 recomputed. They are grouped into classes of identical layers (same operation, source label, FLOPs
@@ -110,7 +110,7 @@ class Rewrite:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PressureBound:
-    """What any swap-only plan within a budget must at least move (RECOMPUTE.md section 1).
+    """What any swap-only plan within a budget must at least move.
 
     Attributes:
       moved_bytes: a lower bound on host-to-device plus device-to-host bytes.
@@ -405,7 +405,7 @@ def pressure_bound(
     profile: DeviceProfile | str | None = None,
     min_offload_bytes: int = MiB,
 ) -> PressureBound:
-    """The least any swap-only plan within ``budget_bytes`` must move (RECOMPUTE.md section 1).
+    """The least any swap-only plan within ``budget_bytes`` must move.
 
     At each step p, the in-core bytes over the budget must be off the device. A value off the
     device at p that it reads later left before p (an offload, unless it is an argument, which has

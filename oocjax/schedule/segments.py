@@ -1,7 +1,7 @@
 """Cutting a planned step into segments: separately compiled programs with transfers between them.
 
 Inside one XLA program a plan's transfers are not where the plan put them: XLA's scheduler moves
-copies and decides how long every buffer lives (JAX_XLA_NOTES.md, "Measured on a real GPU"). So a
+copies and decides how long every buffer lives (measured on an H200). So a
 plan runs as a chain of programs over consecutive ranges of steps. Between two programs the
 executor waits for offloads (oldest first), issues prefetches, and after a program issues the
 offloads of what it produced. Memory is then decided at the boundaries, where the executor holds

@@ -91,7 +91,7 @@ def without_dead_code(flat: FlatProgram) -> FlatProgram:
 
     An equation is dead when it has no effects and none of its results is read by a live equation
     or returned. One backward pass finds them all, so a chain of dead equations dies whole (the
-    unused branch of a ``where`` built from a broadcast mask: RECOMPUTE.md section 2). The kept
+    unused branch of a ``where`` built from a broadcast mask). The kept
     buffers are renumbered in their order, so arguments keep their ids and every id stays defined
     (``Program`` refuses a computed buffer nobody defines).
 

@@ -4,9 +4,9 @@ calibrate the cost model against it.
 The planner's cost model (``schedule.cost``) prices a step by its flops and bytes at a device's
 sustained rates and a transfer by a per-copy latency plus its bytes over the link's bandwidth. The
 published figures in ``PROFILES`` are rough; swap-or-recompute decisions need the device's own
-(RECOMPUTE.md section 5, "Costs"): a matmul rate and a memory rate measured once, a link measured
+: a matmul rate and a memory rate measured once, a link measured
 per direction as bandwidth *and* latency (eager 4 MiB copies ran at 12-14 GB/s on an H200 where
-256 MiB ones ran at 50 GB/s: JAX_XLA_NOTES.md, "Measured on a real GPU"), then the per-step
+256 MiB ones ran at 50 GB/s, measured on that card), then the per-step
 estimates fitted to the times of the compiled segments (``time_segments``, then
 ``schedule.cost.calibrate_program_costs``), as Capuchin and PoocH profile a first iteration.
 
@@ -149,7 +149,7 @@ def _agreed(profile: DeviceProfile) -> DeviceProfile:
     """In a run of several processes, process 0's rates in every process. Plans are chosen by
     simulated time with these rates, and every process must derive the same plan, or they launch
     different programs and their collectives hang; each process measures its own devices a little
-    differently (SPMD.md, "Multi-process"). All processes measure, then take process 0's figures."""
+    differently. All processes measure, then take process 0's figures."""
     if jax.process_count() == 1:
         return profile
     from jax.experimental import multihost_utils

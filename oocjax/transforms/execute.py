@@ -5,7 +5,7 @@ The loop is ``eval_jaxpr``'s, over records decoded once per plan: per segment, w
 launch, offload, and drop every slot whose last use that was. What it adds is memory accounting,
 because on a GPU a launch allocates its outputs and scratch when the host *enqueues* it, and
 memory given back (a dropped argument, an offloaded source) is free only once the work using it
-has finished (JAX_XLA_NOTES.md, "Running a plan as segments"). So the executor counts
+has finished. So the executor counts
 
 * ``held``: device arrays it references (arguments, segment results, prefetched copies);
 * ``pending``: memory it has let go of that may still be in use, each entry with an array that is

@@ -51,8 +51,8 @@ def spec(x: Any, kind: str) -> jax.ShapeDtypeStruct:
 def put(values: Sequence[Any], targets: jax.sharding.Sharding | Sequence[jax.sharding.Sharding]) -> list[Any]:
     """``jax.device_put(values, targets)`` in one batch, except that in a run of several processes
     an array spanning them, moved to another memory in its own layout, is copied shard by shard:
-    ``device_put`` would run a resharding program across the processes for it (SPMD.md: 117 of
-    them per step in a two-process run), where each process can copy its own shards with no
+    ``device_put`` would run a resharding program across the processes for it (117 of them per
+    step in a two-process run, when measured), where each process can copy its own shards with no
     program. In one process, ``jax.device_put`` itself: no array is inspected on the hot path."""
     if jax.process_count() == 1:
         return jax.device_put(list(values), targets)

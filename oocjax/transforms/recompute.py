@@ -1,7 +1,7 @@
 """Recomputation, the transforms side: which equations may run twice, and a planner rewrite as a flat program.
 
 ``schedule.recompute`` decides, over the pure-Python ``Program``, which values to drop and compute
-again (RECOMPUTE.md section 5). Two things it cannot know live here:
+again. Two things it cannot know live here:
 
 * **May an equation run twice?** (``recomputable_steps``). Only if running it again gives the same
   results and does nothing else. Per primitive, a rule in ``recompute_rules`` says why not (or

@@ -1,4 +1,4 @@
-"""Where a step's values live on a mesh, and what each of them costs one device (SPMD.md).
+"""Where a step's values live on a mesh, and what each of them costs one device.
 
 A step is *sharded* when an argument spans several devices, when its avals carry explicit mesh
 axes (``jax.make_mesh(..., axis_types=(Explicit, ...))`` + ``jax.set_mesh``), or when it calls
