@@ -377,15 +377,18 @@ def identity_rewrite(program: Program, skipped: Iterable[Skipped] = ()) -> Rewri
 
 def _in_core_bytes(program: Program) -> tuple[int, ...]:
     """Device bytes per step with nothing moved: ``Program``'s liveness rule, through the simulator.
-    The selector asks it of the same original program at every pick: the last answer is kept."""
-    if _LAST_IN_CORE and _LAST_IN_CORE[0] is program:
-        return _LAST_IN_CORE[1]
+    The selector asks it at every pick of the same original program and of each trial, twice (the
+    rewrite's peak, then the pick's check): the last few answers are kept, by identity."""
+    for kept, device in _RECENT_IN_CORE:
+        if kept is program:
+            return device
     device = simulate(program, keep_all(program)).device_bytes
-    _LAST_IN_CORE[:] = [program, device]
+    _RECENT_IN_CORE[:] = [*_RECENT_IN_CORE[-(_KEPT_IN_CORE - 1) :], (program, device)]
     return device
 
 
-_LAST_IN_CORE: list = []  # [program, its in-core bytes]: one entry, so it holds at most one program
+_KEPT_IN_CORE = 3  # the original, the rewrite kept, the trial: a few programs held at most
+_RECENT_IN_CORE: list[tuple[Program, tuple[int, ...]]] = []
 
 
 # The pools a byte over the budget at step p can be taken from, with the least it costs to move
@@ -571,8 +574,8 @@ def _greedy(
         else identity_rewrite(program)
     )
     rejected, skipped = set(), []
+    device = _in_core_bytes(chosen.program)  # recomputed only when a pick is kept
     for _ in range(max_picks):
-        device = _in_core_bytes(chosen.program)
         if max(device, default=0) <= budget_bytes:
             break
         candidates = (
@@ -585,9 +588,9 @@ def _greedy(
         key, members, across = pick
         widened = {**targets, **dict.fromkeys(members, across)}
         trial = recompute_program(program, widened, recomputable=recomputable, across=widened)
-        why_not = _why_not_kept(trial, members, device, budget_bytes, floor_fits, min_offload_bytes)
+        why_not, after = _why_not_kept(trial, members, device, budget_bytes, floor_fits, min_offload_bytes)
         if why_not is None:
-            chosen, targets = trial, widened
+            chosen, targets, device = trial, widened, after
         else:
             rejected.add(key)
             skipped += [Skipped(buffer=b, reason=why_not) for b in members]
@@ -611,18 +614,18 @@ def _pressure_points(device: Sequence[int], budget: int, most: int = 8) -> list[
 
 def _why_not_kept(
     trial: Rewrite, members: list[int], device: tuple[int, ...], budget: int, floor_fits: bool, min_offload_bytes: int
-) -> str | None:
-    """Why a trial rewrite does not help (None: keep it)."""
+) -> tuple[str | None, tuple[int, ...]]:
+    """Why a trial rewrite does not help (None: keep it), and its bytes in core per step."""
     if not set(members) & set(trial.recomputed):
-        return "no value of its class could be recomputed across the peak"
+        return "no value of its class could be recomputed across the peak", ()
     after = _in_core_bytes(trial.program)
     over_before = sum(max(0, live - budget) for live in device)
     over_after = sum(max(0, live - budget) for live in after)
     if (max(after, default=0), over_after) >= (max(device, default=0), over_before):
-        return "recomputing its class across the peak did not lower the in-core bytes over the budget"
+        return "recomputing its class across the peak did not lower the in-core bytes over the budget", after
     if floor_fits and max(required_bytes(trial.program, min_offload_bytes), default=0) > budget:
-        return "recomputing its class would make some step alone need more than the budget"
-    return None
+        return "recomputing its class would make some step alone need more than the budget", after
+    return None, after
 
 
 ClassKey = tuple  # (name, label, flops, transient, read sizes, write sizes, which write)
