@@ -1,4 +1,4 @@
-"""The benchmark harnesses work, and the README states only what the results files say."""
+"""The benchmark harnesses work, and docs/measurements.md and the README state only what the results files say."""
 
 import json
 import shutil
@@ -22,7 +22,7 @@ def checkout_commit() -> str:
     return git_head(ROOT) if (ROOT / ".git").exists() else "unknown"
 
 
-def test_the_readme_performance_section_matches_the_results_files():
+def test_the_generated_measurements_and_the_readme_table_match_the_results_files():
     result = subprocess.run(
         [sys.executable, "benchmarks/report.py", "--check"], cwd=ROOT, capture_output=True, text=True, check=False
     )
@@ -113,7 +113,7 @@ def test_the_gpu_check_dry_run_runs_every_configuration_with_equal_losses(tmp_pa
     assert len(rows) == len(gpu_check.CONFIGURATIONS)
 
 
-def test_the_gpu_check_fails_when_ooc_jit_goes_over_budget_and_the_readme_says_so():
+def test_the_gpu_check_fails_when_ooc_jit_goes_over_budget_and_the_measurements_say_so():
     from benchmarks import gpu_check, report
 
     gib = 2**30
@@ -158,6 +158,30 @@ def test_the_gpu_check_fails_when_ooc_jit_goes_over_budget_and_the_readme_says_s
     over = "| `ooc_jit` | 10.00 GiB | 8.00 GiB | 9.00 GiB (**over budget**) | 0.200 | 2.00x | max difference 0.0001 |"
     assert over in table
     assert "jitted 1 GiB copies 53.5 / 53.0" in table
+
+
+def test_a_first_call_run_renders_whatever_parts_it_measured_in_the_measurements_and_the_readme_table():
+    """``first_call.py`` with ``--ways`` and without ``--second-process``, or with the decoder's ways alone."""
+    from benchmarks import report
+
+    def row(model, layers, ratio):
+        timings = dict(ooc_s=ratio * 2.0, jit_s=2.0, segments=2 * layers, segments_per_layer=2.0)
+        return dict(timings, model=model, layers=layers, ratio=ratio, distinct_programs=6, plans=1)
+
+    machine = dict(machine="a CPU", commit="abc1234", date="2026-11-27")
+    zoo = [row("zoo", 4, 1.5), row("zoo", 24, 0.75)]
+    ways = [row(way, layers, 1.25) for way in ("linen_auto", "plain") for layers in (4, 24)]
+    record = dict(machine, rows=zoo + ways, second_process=[])
+    text = "\n".join(report._first_call_lines("first_call-cpu-2026-11-27c.json", record))
+    assert "4 layers: 1.50x" in text and "24 layers: 0.75x" in text and "second process" not in text
+    assert "| linen_auto | 24 | 1.25x (2.5 s / 2.0 s) | 2.0 | 6 | 1 |" in text
+    rows = report._first_call_rows("first_call-cpu-2026-11-27c.json", record)
+    assert len(rows) == 2 and "| 1.50x / 0.75x | - | `first_call-cpu-2026-11-27c.json` |" in rows[0]
+    assert "4 / 24 layers" in rows[1] and "linen_auto 1.25x / 1.25x; plain 1.25x / 1.25x" in rows[1]
+
+    alone = dict(machine, rows=ways)  # the zoo's depths not measured, no second process recorded
+    assert "| plain | 4 |" in "\n".join(report._first_call_lines("first_call-cpu-2026-11-27c.json", alone))
+    assert len(report._first_call_rows("first_call-cpu-2026-11-27c.json", alone)) == 1
 
 
 @pytest.mark.slow  # 76 s on 2 loaded CPU cores

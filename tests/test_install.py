@@ -30,10 +30,12 @@ LEFT_BEHIND = shutil.ignore_patterns(
     "out",
 )
 
-# Files the tests read, beyond oocjax itself: the README (its figures are checked against the results
-# files), the benchmarks and their results, the examples the tests import and run.
+# Files the tests read, beyond oocjax itself: the README and docs/measurements.md (their generated figures
+# are checked against the results files), the benchmarks and their results, the examples the tests import
+# and run.
 READ_BY_THE_TESTS = (
     "README.md",
+    "docs/measurements.md",
     "pyproject.toml",
     "tests/conftest.py",
     "tests/zoo.py",
@@ -50,7 +52,7 @@ READ_BY_THE_TESTS = (
 # Fast tests that read those files or git, and one that plans and runs an example's step; the whole suite
 # takes minutes.
 SUBSET = (
-    "tests/test_benchmarks.py::test_the_readme_performance_section_matches_the_results_files",
+    "tests/test_benchmarks.py::test_the_generated_measurements_and_the_readme_table_match_the_results_files",
     "tests/test_benchmarks.py::test_a_benchmark_records_the_commit_of_its_checkout_and_unknown_outside_one",
     "tests/test_boundaries.py::test_the_planner_imports_and_plans_with_jax_and_numpy_unavailable",
     "tests/test_examples.py::test_the_check_fails_when_the_budget_forces_no_offloads_or_is_exceeded",
