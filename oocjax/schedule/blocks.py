@@ -3,8 +3,10 @@
 ``nn.remat`` around each block keeps the block's input and recomputes everything else the block's
 backward needs. The per-value selector (``choose_recompute``) cannot always get there one class at a
 time: some classes (LayerNorm's centred input and its scale, say) lower the peak only together, so
-each alone is rejected, and the plan moves state instead. Offered whole, the block candidate is timed
-like the others (``plan_hybrid``), and taken where the model says it is faster.
+each alone is rejected, and the plan moves state instead. Offered whole (the selector forced to
+recompute every member, split at the forward/backward turn, then adding its own picks), the block
+candidate is planned and timed like the others (``plan_hybrid``), and taken where it moves fewer
+bytes at a time the model puts within ``hybrid.MOVE_MARGIN`` of the fastest.
 
 The members of a block (its steps ``start .. stop - 1`` in the forward pass) are the computed
 values it makes, less those the forward pass reads after the block (its output, the next block's
@@ -17,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from oocjax.schedule.program import Program
-from oocjax.schedule.recompute import Recomputable, Rewrite, recompute_program
 
 
 def block_targets(program: Program, blocks: Sequence[tuple[int, int]], backward_start: int) -> list[int]:
@@ -46,14 +47,3 @@ def block_targets(program: Program, blocks: Sequence[tuple[int, int]], backward_
                 if not any(stop <= r < max(backward_start, last_forward) for r in reads):
                     targets.append(b)
     return targets
-
-
-def recompute_blocks(
-    program: Program, blocks: Sequence[tuple[int, int]], backward_start: int, *, recomputable: Recomputable
-) -> Rewrite:
-    """``program`` with every block's members (``block_targets``) recomputed before the backward
-    pass reads them: per-block remat."""
-    targets = block_targets(program, blocks, backward_start)
-    # Split at the turn: a member only its block reads is dropped after that read and recomputed
-    # where a copy needs it (split at its longest gap, one read right after it is made could not be).
-    return recompute_program(program, targets, recomputable=recomputable, across=backward_start)
