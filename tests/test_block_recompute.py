@@ -1,7 +1,10 @@
 """Recompute by block: below the budget where the per-value selector still fits the step, the plan
 recomputes each block's insides (per-block remat) rather than move state, where the model says that
 costs at most ``MOVE_MARGIN`` more time; it moves fewer bytes than the selector alone, and computes
-what ``jax.jit`` computes."""
+what ``jax.jit`` computes.
+
+The plans here are made with the published CPU profile, not the rates a process measures: measured
+under load, the rates change which plan is the faster, and with it the premise of a test."""
 
 import functools
 
@@ -9,16 +12,22 @@ import jax
 import numpy as np
 import pytest
 
-from oocjax import ooc_jit
+from oocjax import ooc_jit, pipeline
 from oocjax.schedule import Program, plan_window, simulate_time
 from oocjax.schedule.blocks import block_targets
+from oocjax.schedule.cost import resolve_profile
 from oocjax.schedule.recompute import choose_recompute
-from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.layers import layer_runs
 from oocjax.transforms.recompute import recomputable_steps
 from tests.zoo import transformer_dropout_adamw
 
 LAYERS = 12
+PROFILE = resolve_profile("cpu")
+
+
+@pytest.fixture(autouse=True)
+def published_cpu_rates(monkeypatch):
+    monkeypatch.setattr(pipeline, "measure_profile", lambda *args, **kwargs: PROFILE)
 
 
 @functools.cache
@@ -42,7 +51,7 @@ def moved_bytes(program: Program, schedule) -> int:
 def selector_alone(planner, budget_bytes: int) -> int:
     """The bytes the plan made before blocks were offered moves: the faster (by the model) of
     swap only and the per-value selector with the window planner."""
-    program, profile = planner.program, measure_profile()
+    program, profile = planner.program, PROFILE
     recomputable = recomputable_steps(planner.traced.flat).__getitem__
     swap = plan_window(program, budget_bytes, min_offload_bytes=4096)
     rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=4096)
