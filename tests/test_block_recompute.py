@@ -1,7 +1,8 @@
-"""Recompute by block: below the budget where the per-value selector still fits the step, the plan
-recomputes each block's insides (per-block remat) rather than move state, where the model says that
-costs at most ``MOVE_MARGIN`` more time; it moves fewer bytes than the selector alone, and computes
-what ``jax.jit`` computes.
+"""Recompute by block, and plans that move less: below the budget where the per-value selector fits
+the step, the plan recomputes each block's insides (per-block remat) rather than move state, where
+the model says that costs at most ``MOVE_MARGIN`` more time; it moves fewer bytes than the plan
+chosen before (the faster by the model of swap only and the selector), and computes what
+``jax.jit`` computes.
 
 The plans here are made with the published CPU profile, not the rates a process measures: measured
 under load, the rates change which plan is the faster, and with it the premise of a test."""
@@ -16,12 +17,13 @@ from oocjax import ooc_jit, pipeline
 from oocjax.schedule import Program, plan_window, simulate_time
 from oocjax.schedule.blocks import block_targets
 from oocjax.schedule.cost import resolve_profile
+from oocjax.schedule.hybrid import MOVE_MARGIN
 from oocjax.schedule.recompute import choose_recompute
 from oocjax.transforms.layers import layer_runs
 from oocjax.transforms.recompute import recomputable_steps
 from tests.zoo import transformer_dropout_adamw
 
-LAYERS = 12
+LAYERS = 8
 PROFILE = resolve_profile("cpu")
 
 
@@ -48,9 +50,9 @@ def moved_bytes(program: Program, schedule) -> int:
     return sum(program.buffers[m.buffer].nbytes for m in schedule.moves)
 
 
-def selector_alone(planner, budget_bytes: int) -> int:
-    """The bytes the plan made before blocks were offered moves: the faster (by the model) of
-    swap only and the per-value selector with the window planner."""
+def todays_choice(planner, budget_bytes: int) -> int:
+    """The bytes the plan chosen before this change moves: the faster (by the model) of swap only
+    and the per-value selector with the window planner (no block candidate, no margin)."""
     program, profile = planner.program, PROFILE
     recomputable = recomputable_steps(planner.traced.flat).__getitem__
     swap = plan_window(program, budget_bytes, min_offload_bytes=4096)
@@ -63,13 +65,13 @@ def selector_alone(planner, budget_bytes: int) -> int:
 
 
 @pytest.mark.slow
-def test_at_a_fifth_of_in_core_the_transformer_recomputes_by_block_and_moves_less_than_the_selector_alone():
+def test_at_a_fifth_of_in_core_the_transformer_recomputes_by_block_and_moves_less_than_the_todays_choice():
     step = ooc_jit(case().step, budget=int(0.2 * in_core()), donate_argnums=0, min_offload_bytes=4096)
     plan = step.plan(case().state, case().batches[0])
     (planner,) = step._planners.values()
 
     assert plan.recomputed_by_block and "recomputed by block" in repr(plan)
-    assert moved_bytes(plan.program, plan.schedule) < selector_alone(planner, plan.schedule.budget_bytes)
+    assert moved_bytes(plan.program, plan.schedule) < todays_choice(planner, plan.schedule.budget_bytes)
     assert plan.executed_peak_bytes <= plan.budget_bytes
     state, batch = case().state, case().batches[0]
     expected = jax.jit(case().step)(fresh(state), batch)[1]["loss"]
@@ -77,13 +79,15 @@ def test_at_a_fifth_of_in_core_the_transformer_recomputes_by_block_and_moves_les
 
 
 @pytest.mark.slow
-def test_where_the_selector_alone_moves_nothing_the_plan_moves_nothing():
+def test_at_35_percent_of_in_core_the_plan_moves_nothing_where_the_faster_by_the_model_moved_state():
     step = ooc_jit(case().step, budget=int(0.35 * in_core()), donate_argnums=0, min_offload_bytes=4096)
     plan = step.plan(case().state, case().batches[0])
+    (planner,) = step._planners.values()
+    # Swap only is faster by the model here, by less than MOVE_MARGIN: the recomputing plan that
+    # moves nothing is kept.
+    assert todays_choice(planner, plan.schedule.budget_bytes) > 0
     assert plan.recomputed and plan.schedule.moves_nothing
-    state, batch = case().state, case().batches[0]
-    expected = jax.jit(case().step)(fresh(state), batch)[1]["loss"]
-    np.testing.assert_allclose(float(step(fresh(state), batch)[1]["loss"]), float(expected), rtol=1e-6)
+    assert plan.step_time_s <= plan.swap_only_time_s * (1 + MOVE_MARGIN)
 
 
 def test_a_blocks_members_are_its_insides_not_its_output():
