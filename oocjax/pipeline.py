@@ -246,11 +246,12 @@ class StepPlanner:
         measure over the budget after ``MAX_REPLANS`` plans, or a plan needs more host memory than
         ``host_budget``. Every plan and its chain of segments are checked by the simulator first."""
         options, traced = self.options, self.traced
-        choice = _choose(self.program, traced.flat, budget, options)
+        traced_layers = layer_runs(traced.flat)
+        choice = _choose(self.program, traced.flat, traced_layers, budget, options)
         program, schedule, rewrite = choice.program, choice.schedule, choice.rewrite
         flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
         layout = _layout(traced, rewrite)
-        layers = layer_runs(flat)
+        layers = layer_runs(flat) if rewrite.recomputed else traced_layers  # copies move the layers
         history, worst_text, halved = [], "", set()
         while True:
             entry = dict(choice=choice, program=program, schedule=schedule)
@@ -472,11 +473,12 @@ def _refuse_tokens_between(segments: tuple[Segment, ...], avals: tuple) -> None:
         )
 
 
-def _choose(program: Program, flat: FlatProgram, budget: Budget, options: PlannerOptions) -> HybridPlan:
+def _choose(
+    program: Program, flat: FlatProgram, runs: Sequence[tuple[int, int, str]], budget: Budget, options: PlannerOptions
+) -> HybridPlan:
     """The first plan of a budget: swap only, or recompute and swap (``schedule.plan_hybrid``), timed
     with the device's measured rates (measured once per process)."""
     profile = measure_profile()  # swap-only plans are timed too: the plan says how fast either would run
-    runs = layer_runs(flat)
     backward = [a for a, _, kind in runs if kind.startswith("transpose")]
     blocks = tuple((a, y) for a, y, kind in runs if backward and not kind.startswith("transpose") and y <= backward[0])
     try:
