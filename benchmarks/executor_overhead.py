@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from oocjax import ooc_jit
+from oocjax.schedule.chain import Launch, Offload, Prefetch
 from oocjax.transforms.memories import sharding
 
 if __package__ in (None, ""):  # run as ``python benchmarks/executor_overhead.py``: put the repository root on the path
@@ -59,47 +60,46 @@ def median_seconds(run, steps: int) -> float:
 
 def back_to_back(step, args):
     """A function running ``step``'s segment programs for ``args`` in a plain loop: the chain's
-    order and slots, no transfers (host slots hold device arrays), no waits, no account. Called
-    with ``keep=True`` it returns every slot instead of the results (each program's inputs)."""
+    operations and slots, no transfers (host slots hold device arrays), no waits, no account.
+    Called with ``keep=True`` it returns every slot instead of the results (each program's inputs).
+    ``.calls`` lists, per segment, (its program without donation, its input slots, its literals)."""
     (planner,) = step._planners.values()
     executor = planner.built.executor
-    chain, device = executor.chain, sharding("device")
-    programs = {}
-    for run, function in zip(chain.runs, executor.functions, strict=True):
-        key = id(run.program)
-        if key not in programs:  # the same program without donation: its inputs stay valid
-            plain = jax.jit(function.__wrapped__, in_shardings=device, out_shardings=device)
-            programs[key] = plain.trace(*[x for x in _specs(run, chain)]).lower().compile()
+    executable, chain, device = executor.executable, executor.chain, sharding("device")
+    plain = {}
+    calls = []
+    for op in (op for op in chain.operations if isinstance(op, Launch)):
+        program, literals = executable.programs[op.segment], executable.literals[op.segment]
+        if id(program) not in plain:  # the same program without donation: its inputs stay valid
+            function = jax.jit(executor.functions[op.segment].__wrapped__, in_shardings=device, out_shardings=device)
+            specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device) for a in program.in_avals[0]]
+            plain[id(program)] = function.trace(*specs[: len(op.inputs) + len(literals)]).lower().compile()
+        calls.append((plain[id(program)], op.inputs, literals))
     leaves = [jax.device_put(x, device) for x in jax.tree.leaves(args)]
-    calls = [(programs[id(run.program)], run) for run in chain.runs]
     host = chain.host_offset
 
     def run_all(keep: bool = False):
         slots = [None] * chain.num_slots
-        for slot, x in chain.constants:
+        for slot, x in executable.constants:
             slots[slot] = x
         for slot, x in zip(chain.argument_slots, leaves):
             slots[slot] = x
-        for program, run in calls:
-            for b in run.prefetches:
-                slots[b] = slots[b + host]
-            outputs = program(*[slots[b] for b in run.inputs], *run.literals)
-            for b, x in zip(run.outputs, outputs):
-                slots[b] = x
-            for b in run.offloads:
-                slots[b + host] = slots[b]
-        return slots if keep else [slots[r] for r in chain.results if isinstance(r, int)]
+        for op in chain.operations:
+            if isinstance(op, Prefetch):
+                for b in op.buffers:
+                    slots[b] = slots[b + host]
+            elif isinstance(op, Launch):
+                program, inputs, literals = calls[op.segment]
+                outputs = program(*[slots[b] for b in inputs], *literals)
+                for b, x in zip(op.outputs, outputs):
+                    slots[b] = x
+            elif isinstance(op, Offload):
+                for b in op.buffers:
+                    slots[b + host] = slots[b]
+        return slots if keep else [slots[r] for r in chain.result_slots if r is not None]
 
     run_all.calls = calls
     return run_all
-
-
-def _specs(run, chain):
-    return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding("device")) for a in _input_avals(run, chain)]
-
-
-def _input_avals(run, chain):
-    return [*run.program.in_avals[0][: len(run.inputs) + len(run.literals)]]
 
 
 def per_segment(args) -> tuple[float, list[dict]]:

@@ -21,7 +21,7 @@ batch 8, seq 1024, vocabulary 1024 by default), each configuration in a fresh pr
   the adaptive window alone), and ``remat_nothing_saveable``, ``remat_offload_dots`` (the whole
   loss in one ``jax.checkpoint``, no cap: the earlier runs' baselines);
 - ``ooc_jit_capped_account``, run only when ``--configurations`` names it: ``ooc_jit_capped`` with
-  the executor's allocator gate switched off (``execute.ALLOCATOR_GATE``: waits on its own byte
+  the executor's allocator gate switched off (``account.ALLOCATOR_GATE``: waits on its own byte
   account alone), the baseline the gate is measured against.
 
 An ``ooc_jit`` configuration also looks for memory the executor does not account for. Its first
@@ -143,12 +143,12 @@ def run_step(config: dict) -> dict:
     import jax
 
     from oocjax import ooc_jit
-    from oocjax.transforms import execute
+    from oocjax.transforms import account
     from oocjax.transforms.calibrate import measure_profile
 
     strategy, capped, expect_oom = ALL_CONFIGURATIONS[config["configuration"]]
     if config["configuration"] in ACCOUNT_ONLY_CONFIGURATIONS:
-        execute.ALLOCATOR_GATE = False
+        account.ALLOCATOR_GATE = False
     device = jax.devices()[0]
     record = dict(
         configuration=config["configuration"],
@@ -161,7 +161,7 @@ def run_step(config: dict) -> dict:
         env=_env(),
         remat_pass=getattr(jax.config, "jax_compiler_enable_remat_pass", None),
         bytes_limit=_memory_stat(device, "bytes_limit"),
-        allocator_gate=execute.ALLOCATOR_GATE if strategy == "ooc_jit" else None,
+        allocator_gate=account.ALLOCATOR_GATE if strategy == "ooc_jit" else None,
     )
     phase = "setup"
     try:

@@ -6,7 +6,7 @@ Medians over ``--steps`` steps, each blocked on:
 
 * ``jax.jit``'s step;
 * ``ooc_jit``'s step: the executor with its transfers, waits, account and allocator gate; again
-  with the gate off (``execute.ALLOCATOR_GATE``); and with no waits for work in flight either (the
+  with the gate off (``account.ALLOCATOR_GATE``); and with no waits for work in flight either (the
   budget is then not held: this measures what draining the queue before a launch costs);
 * its segment programs back to back (``executor_overhead.back_to_back``: no executor);
 * each segment program alone, on the inputs the step gave it: its time, work, recomputed steps,
@@ -34,7 +34,7 @@ from benchmarks._machine import machine
 from benchmarks.executor_overhead import back_to_back, median_seconds
 from benchmarks.gpu_check import DRY_MODEL, GPU_MODEL, _slug, _versions, workload
 from oocjax import ooc_jit
-from oocjax.transforms import execute
+from oocjax.transforms import account
 
 H200_BUDGET_BYTES = 8286266982  # gpu_check's budget on the H200: 0.8 of the allocator limit under a 0.069 fraction
 
@@ -59,18 +59,18 @@ def profile(model: dict, budget_bytes: int | None, steps: int, dry_run: bool) ->
         return metrics
 
     ooc_s = median_seconds(one_step, steps)
-    execute.ALLOCATOR_GATE = False
+    account.ALLOCATOR_GATE = False
     try:
         ungated_s = median_seconds(one_step, steps)
         # Also without the account's waits for work in flight: what draining the queue before a
         # launch costs. Memory is then not held to the budget: a measurement, not a way to run.
-        wait, execute._wait = execute._wait, lambda probe: None
+        wait, account._wait = account._wait, lambda probe: None
         try:
             unwaited_s = median_seconds(one_step, steps)
         finally:
-            execute._wait = wait
+            account._wait = wait
     finally:
-        execute.ALLOCATOR_GATE = True
+        account.ALLOCATOR_GATE = True
     plain = back_to_back(step, (state, batch))
     plain_s = median_seconds(plain, steps)
     print(f"ooc_jit        {ooc_s * 1e3:8.2f} ms/step ({ooc_s / jit_s:.2f}x jax.jit), gate off {ungated_s * 1e3:.2f}")
@@ -80,8 +80,8 @@ def profile(model: dict, budget_bytes: int | None, steps: int, dry_run: bool) ->
     recomputed_at = [r.recomputed_at for r in plan.recomputed]
     distinct: dict[int, int] = {}
     rows = []
-    for i, (segment, (program, run)) in enumerate(zip(plan.segments, plain.calls, strict=True)):
-        inputs = [*(slots[b] for b in run.inputs), *run.literals]
+    for i, (segment, (program, inputs, literals)) in enumerate(zip(plan.segments, plain.calls, strict=True)):
+        inputs = [*(slots[b] for b in inputs), *literals]
         seconds = median_seconds(lambda program=program, inputs=inputs: program(*inputs), steps)
         rows.append(
             dict(

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 from oocjax.errors import BudgetInfeasibleError, OocError, UnsupportedPrimitiveError
 
 if TYPE_CHECKING:
-    from oocjax.api import OocJitted, Plan, ooc_jit, to_device, to_host
+    from oocjax.api import OocJitted, ooc_jit
+    from oocjax.placement import to_device, to_host
+    from oocjax.plan import Plan
 
 __version__ = "0.1.0"
 __all__ = [
@@ -32,9 +34,9 @@ __all__ = [
 _LAZY = {
     "ooc_jit": "oocjax.api",
     "OocJitted": "oocjax.api",
-    "Plan": "oocjax.api",
-    "to_device": "oocjax.api",
-    "to_host": "oocjax.api",
+    "Plan": "oocjax.plan",
+    "to_device": "oocjax.placement",
+    "to_host": "oocjax.placement",
 }
 
 

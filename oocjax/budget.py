@@ -1,10 +1,12 @@
-"""Reading the sizes users give to ``ooc_jit``: the budget, and byte-sized planner options."""
+"""Reading the sizes users give to ``ooc_jit`` (the budget, and byte-sized planner options), and what
+"budget" means for one plan."""
 
 from __future__ import annotations
 
 import numbers
 import os
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from oocjax.schedule import parse_bytes
@@ -14,6 +16,24 @@ ACCEPTED = (
     "or a fraction of the device's memory (0.8, '0.8' or '80%')"
 )
 _PLAIN_NUMBER = re.compile(r"^\s*[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?\s*$")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Budget:
+    """What "budget" means for one plan, in one place.
+
+    Attributes:
+      user_bytes: the user's budget (``ooc_jit(budget=...)``): what a call may use on the device.
+      headroom_bytes: left free within it for the device allocator's own overhead.
+    """
+
+    user_bytes: int
+    headroom_bytes: int
+
+    @property
+    def planned_bytes(self) -> int:
+        """What plans, segments and the executor's gate hold to."""
+        return self.user_bytes - self.headroom_bytes
 
 
 def resolve_budget(budget: int | float | str, device: Any) -> int:

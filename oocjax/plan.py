@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import oocjax.plan_json as plan_json
 from oocjax.schedule import MemoryTimeline, Program, Schedule, format_bytes, keep_all, simulate
-from oocjax.schedule.cost import DeviceProfile
+from oocjax.schedule.profiles import DeviceProfile
 from oocjax.schedule.segments import Segment, SegmentCost
+from oocjax.schedule.units import counted
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -200,8 +203,6 @@ class Plan:
         return self.timeline.h2d_bytes + self.timeline.d2h_bytes
 
     def __repr__(self) -> str:
-        from oocjax.render import counted
-
         executed = "" if self.executed_peak_bytes is None else f", executed {format_bytes(self.executed_peak_bytes)}"
         on_host = f", {counted(len(self.host_inputs), 'argument')} kept on host" if self.host_inputs else ""
         by_block = " by block" if self.recomputed_by_block else ""
@@ -219,12 +220,12 @@ class Plan:
     def summary(self, profile: DeviceProfile | str | None = None, *, largest: int = 10) -> str:
         """A text report: budget, in-core and planned peaks (and where), measured peak, traffic,
         host memory and the largest moves; with a ``profile`` (a name from
-        ``oocjax.schedule.cost.PROFILES`` such as ``"h100"``, or a ``DeviceProfile``), also the step
+        ``oocjax.schedule.profiles.PROFILES`` such as ``"h100"``, or a ``DeviceProfile``), also the step
         time simulated on a model of that device, not a measurement; the report names the modelled
         device and its rates, and says so when the plan was made for another."""
-        from oocjax import render
+        from oocjax.render import summary
 
-        return render.summary(self, profile, largest=largest)
+        return summary(self, profile, largest=largest)
 
     def plot(self, ax: Any = None, profile: DeviceProfile | str | None = None) -> Any:
         """Device memory over the program, in-core against planned, with the budget, what is on
@@ -233,21 +234,21 @@ class Plan:
         recomputed values under it; with a ``profile``, a panel with the compute and copy streams
         over time. Needs matplotlib (``pip install oocjax[plot]``). Returns the memory axes, or
         (memory axes, stream axes) with a profile."""
-        from oocjax import plotting
+        from oocjax.plotting import plot
 
-        return plotting.plot(self, ax=ax, profile=profile)
+        return plot(self, ax=ax, profile=profile)
 
     def pretty_jaxpr(self, *, full: bool = False) -> str:
         """The step as it runs: segments in order, with the transfers and waits between them and
         what moves (label and size); ``full=True`` appends the chain's whole jaxpr."""
-        from oocjax import render
+        from oocjax.render import pretty_jaxpr
 
-        return render.pretty_jaxpr(self, full=full)
+        return pretty_jaxpr(self, full=full)
 
     def _repr_html_(self) -> str:
-        from oocjax import render
+        from oocjax.render import html_view
 
-        return render.html_view(self)
+        return html_view(self)
 
     # -- saving (oocjax.plan_json) -----------------------------------------------------------------
 
@@ -256,17 +257,16 @@ class Plan:
         traffic, attempts and every move with its label and size. ``full=True`` adds what
         ``from_json`` rebuilds the plan from: the planner's program and schedule, and the segments
         the step runs as with their measured costs."""
-        from oocjax import plan_json
-
         return plan_json.dumps(self, full=full)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """A plan saved with ``to_json(full=True)``, segments included; its ``jaxpr`` and
         ``source_jaxpr`` are None (so its plot has no phases or layers), and so are its ``loops``."""
-        from oocjax import plan_json
-
-        return plan_json.loads(text)
+        built, restored = plan_json.loads(text)
+        plan = cls.build(**built)
+        recomputed = tuple(RecomputeInfo(**r) for r in restored.pop("recomputed"))
+        return dataclasses.replace(plan, recomputed=recomputed, **restored)
 
 
 def _recomputed(program: Program, rewrite: Any) -> tuple[RecomputeInfo, ...]:

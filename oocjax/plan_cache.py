@@ -19,13 +19,39 @@ import functools
 import hashlib
 import pickle
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 import jaxlib
 
-FORMAT = 1  # bumped when what an entry holds changes
+from oocjax.settled import SettledPlan
+
+FORMAT = 2  # bumped when what an entry holds changes
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """What one entry holds: the settled plan, its distinct compiled programs (serialized) and,
+    per segment, which of them it runs."""
+
+    settled: SettledPlan
+    executables: tuple[tuple, ...]
+    program_index: tuple[int, ...]
+
+    @classmethod
+    def of(cls, settled: SettledPlan, programs: Sequence[Any]) -> Entry:
+        """The entry of ``settled`` and its segments' compiled ``programs``, each distinct one serialized once."""
+        distinct = list({id(p): p for p in programs}.values())
+        where = {id(p): i for i, p in enumerate(distinct)}
+        return cls(settled, tuple(serialize(p) for p in distinct), tuple(where[id(p)] for p in programs))
+
+    def programs(self) -> list[Any]:
+        """Every segment's compiled program, loaded (a program shared by segments, once)."""
+        loaded = [deserialize(p) for p in self.executables]
+        return [loaded[i] for i in self.program_index]
 
 
 def directory() -> Path | None:
@@ -44,13 +70,16 @@ def key(*parts: Any) -> str | None:
     return hashlib.sha256(repr(seen).encode()).hexdigest()
 
 
-def load(name: str | None) -> Any | None:
+def load(name: str | None) -> Entry | None:
     """The entry stored under ``name``, or None (absent, unreadable, or from another version)."""
     if name is None:
         return None
     path = directory() / f"{name}.pkl"
     try:
-        return pickle.loads(path.read_bytes())
+        entry = pickle.loads(path.read_bytes())
+        if not isinstance(entry, Entry):
+            raise TypeError(f"it holds a {type(entry).__name__}, not an Entry")
+        return entry
     except FileNotFoundError:
         return None
     except Exception as error:  # a truncated or stale entry: plan again, and replace it
@@ -58,7 +87,7 @@ def load(name: str | None) -> Any | None:
         return None
 
 
-def store(name: str | None, entry: Any) -> None:
+def store(name: str | None, entry: Entry) -> None:
     """Writes ``entry`` under ``name``, atomically (a reader never sees half an entry)."""
     if name is None:
         return

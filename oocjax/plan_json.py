@@ -4,8 +4,8 @@ planner's program and schedule, and the chain of segments the step ran as, with 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
-from typing import TYPE_CHECKING
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from oocjax.schedule import Buffer, Offload, Prefetch, Program, Schedule, Step
 from oocjax.schedule.segments import GatheringStep, Segment, SegmentCost
@@ -53,9 +53,9 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
     return json.dumps(saved, indent=1)
 
 
-def loads(text: str) -> Plan:
-    from oocjax.plan import Plan, RecomputeInfo
-
+def loads(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``Plan.from_json`` rebuilds a plan from: the keywords of ``Plan.build``, and the fields
+    restored as saved over what it computes (``recomputed`` as the fields of each ``RecomputeInfo``)."""
     data = json.loads(text)
     if data.get("format") not in READABLE:
         raise ValueError(f"not an oocjax plan (format {data.get('format')!r}, expected {FORMAT!r})")
@@ -64,7 +64,7 @@ def loads(text: str) -> Plan:
             "this plan was saved without its program and schedule, which rebuilding a Plan needs: save it with "
             "plan.to_json(full=True); a summary reads as plain JSON (json.loads)"
         )
-    plan = Plan.build(
+    built = dict(
         program=_read_program(data["program"]),
         schedule=_read_schedule(data["schedule"]),
         jaxpr=None,
@@ -84,13 +84,10 @@ def loads(text: str) -> Plan:
     )
     # The saved program holds the copies, but what they recompute came from the planner's rewrite,
     # and the in-core peak from the step as traced: neither is saved, so both are restored as saved.
-    recomputed = tuple(RecomputeInfo(**r) for r in data.get("recomputed", ()))
-    return replace(
-        plan,
-        recomputed=recomputed,
-        extra_flops=data.get("extra_flops", 0),
-        baseline_peak_bytes=data.get("baseline_peak_bytes", plan.baseline_peak_bytes),
-    )
+    restored = dict(recomputed=tuple(data.get("recomputed", ())), extra_flops=data.get("extra_flops", 0))
+    if "baseline_peak_bytes" in data:
+        restored["baseline_peak_bytes"] = data["baseline_peak_bytes"]
+    return built, restored
 
 
 def _program(program: Program) -> dict:

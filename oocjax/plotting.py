@@ -16,9 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from oocjax.render import counted, in_core_steps
 from oocjax.schedule import MiB, format_bytes
-from oocjax.schedule.cost import DeviceProfile, resolve_profile, simulate_time
+from oocjax.schedule.cost import simulate_time
+from oocjax.schedule.profiles import DeviceProfile, resolve_profile
+from oocjax.schedule.units import counted
+from oocjax.timeline_svg import in_core_steps
 
 if TYPE_CHECKING:
     from oocjax.plan import Plan
@@ -141,7 +143,7 @@ def _name_stacks(plan: Plan) -> list[str] | None:
     if plan.source_jaxpr is None:
         return None
     from oocjax.transforms import _compat as jc  # jax only here, only for a traced plan
-    from oocjax.transforms.analyse import flatten
+    from oocjax.transforms.flatten import flatten
 
     occurrences: dict[int, list[str]] = {}
 

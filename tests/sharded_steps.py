@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from oocjax import Plan, ooc_jit
 from oocjax.pipeline import StepPlanner
 from oocjax.schedule.segments import GatheringStep
-from oocjax.transforms import execute
+from oocjax.transforms import account
 from oocjax.transforms.execute import observe_segments
 
 LAYOUTS = ("data", "model", "fsdp", "explicit", "shard_map")
@@ -180,18 +180,18 @@ def planned_bytes_checked():
     """Every array the executor holds on the device (arguments, segment outputs, prefetched copies)
     against the bytes its plan counts for it: the mismatches, as (planned, real shard bytes)."""
     mismatches: list[tuple[int, int]] = []
-    hold = execute._DeviceMemory.hold
+    hold = account.DeviceMemory.hold
 
     def checked(memory, x, nbytes, *, owned):
         if nbytes and isinstance(x, jax.Array) and nbytes != shard_bytes(x):
             mismatches.append((nbytes, shard_bytes(x)))
         hold(memory, x, nbytes, owned=owned)
 
-    execute._DeviceMemory.hold = checked
+    account.DeviceMemory.hold = checked
     try:
         yield mismatches
     finally:
-        execute._DeviceMemory.hold = hold
+        account.DeviceMemory.hold = hold
 
 
 def run(layout: str) -> dict:

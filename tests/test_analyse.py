@@ -16,7 +16,7 @@ import pytest
 
 import oocjax
 from oocjax import UnsupportedPrimitiveError, ooc_jit
-from oocjax.transforms import analyse
+from oocjax.transforms import analyse, rules
 from oocjax.transforms.trace import trace_step
 from tests.zoo import mlp_adam
 
@@ -158,11 +158,11 @@ def test_an_unknown_higher_order_primitive_gets_the_default_rule_which_refuses_i
 
 
 def test_the_rule_the_refusal_suggests_lets_the_primitive_be_analysed(monkeypatch):
-    monkeypatch.setattr(analyse, "primitive_rules", dict(analyse.primitive_rules))  # undone after the test
+    monkeypatch.setattr(rules, "_rules", dict(rules._rules))  # undone after the test
     with pytest.raises(UnsupportedPrimitiveError) as refused:
         steps_of(halved_by_a_custom_solve, jnp.ones(4))
     suggested = str(refused.value).splitlines()[-1].strip()
-    assert suggested.startswith("oocjax.transforms.analyse.primitive_rules['custom_linear_solve'] = ")
+    assert suggested.startswith("oocjax.transforms.rules.register_primitive('custom_linear_solve', ")
     exec(suggested, {"oocjax": oocjax})
     assert the_step("custom_linear_solve", halved_by_a_custom_solve, jnp.ones(4)).flops > 0
 

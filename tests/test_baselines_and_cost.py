@@ -16,7 +16,8 @@ from oocjax.schedule import (
     swap_all_just_in_time,
     validate,
 )
-from oocjax.schedule.cost import DEFAULT_PROFILE, PROFILES, DeviceProfile, resolve_profile, simulate_time
+from oocjax.schedule.cost import simulate_time
+from oocjax.schedule.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, resolve_profile
 from tests.programs import mlp_chain, programs
 
 

@@ -16,8 +16,8 @@ import pytest
 from oocjax import ooc_jit, pipeline
 from oocjax.schedule import Program, plan_window, simulate_time
 from oocjax.schedule.blocks import block_targets
-from oocjax.schedule.cost import resolve_profile
 from oocjax.schedule.hybrid import MOVE_MARGIN
+from oocjax.schedule.profiles import resolve_profile
 from oocjax.schedule.recompute import choose_recompute
 from oocjax.transforms.layers import layer_runs
 from oocjax.transforms.recompute import recomputable_steps

@@ -31,7 +31,8 @@ from oocjax.schedule import (
     simulate,
     validate,
 )
-from oocjax.schedule.segments import Segment, check_segments, cut_segments
+from oocjax.schedule.chain import check_segments
+from oocjax.schedule.segments import Segment, cut_segments
 from oocjax.schedule.synthetic import layered_training_step
 from tests.programs import MiB, programs
 from tests.test_window_properties import an_offloaded_output_of_a_host_input

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import oocjax
-import oocjax.api
+import oocjax.placement
 import oocjax.render
 from examples.models import MLP
 from oocjax import OocError, ooc_jit
@@ -81,7 +81,7 @@ def test_to_device_brings_host_kept_state_back_for_jax_jit():
 def test_to_device_says_what_to_do_when_the_device_has_no_room(monkeypatch):
     _, state = trained_state_kept_on_host()
     on_host = [x for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host"]
-    monkeypatch.setattr(oocjax.api, "_free_device_bytes", lambda: 1024)
+    monkeypatch.setattr(oocjax.placement, "_free_device_bytes", lambda: 1024)
     with pytest.raises(OocError) as caught:
         oocjax.to_device(state)
     message = str(caught.value)

@@ -10,8 +10,9 @@ import optax
 import pytest
 
 from oocjax import ooc_jit
-from oocjax.transforms import execute
-from oocjax.transforms.execute import _DeviceMemory, observe_segments
+from oocjax.transforms import account, execute
+from oocjax.transforms.account import DeviceMemory
+from oocjax.transforms.execute import observe_segments
 
 HOST = jax.memory.Space.Host
 
@@ -46,9 +47,9 @@ class Allocator:
         return self.base + self.growth * self.reads + sum(n for probe, n in self.late.items() if not probe.waits)
 
 
-def memory_with_two_pending(allocator: Allocator) -> tuple[_DeviceMemory, Probe, Probe]:
+def memory_with_two_pending(allocator: Allocator) -> tuple[DeviceMemory, Probe, Probe]:
     """A budget of 100 bytes; 30 + 30 bytes let go of, in use until ``first`` and ``second`` are ready."""
-    memory = _DeviceMemory(100, allocator)
+    memory = DeviceMemory(100, allocator)
     memory.count_foreign()  # nothing is held or pending yet: all the allocator reports is foreign
     first, second = Probe(), Probe()
     memory.release([], first, extra_bytes=30)
@@ -67,7 +68,7 @@ def test_a_launch_waits_while_the_allocator_has_more_in_use_than_the_account():
 
 
 def test_the_switch_turns_the_gate_off(monkeypatch):
-    monkeypatch.setattr(execute, "ALLOCATOR_GATE", False)
+    monkeypatch.setattr(account, "ALLOCATOR_GATE", False)
     allocator = Allocator(0)
     memory, first, second = memory_with_two_pending(allocator)
     allocator.base, allocator.late = 60, {first: 35}
@@ -87,7 +88,7 @@ def test_a_launch_does_not_wait_when_the_allocator_agrees_with_the_account():
 
 def test_memory_in_use_when_a_call_starts_that_the_executor_does_not_hold_is_not_counted_against_it():
     allocator = Allocator(40)  # the caller's other arrays
-    memory = _DeviceMemory(100, allocator)
+    memory = DeviceMemory(100, allocator)
     memory.count_foreign()
     probe = Probe()
     memory.release([], probe, extra_bytes=30)
@@ -121,7 +122,7 @@ def test_a_probe_deleted_since_is_neither_polled_nor_waited_on():
 
 
 def test_arrays_donated_to_a_launch_hand_the_wait_on_the_latest_launch_to_that_launch():
-    memory = _DeviceMemory(100, Allocator(1000))
+    memory = DeviceMemory(100, Allocator(1000))
     earlier, later = Probe(), Probe()
     memory.launched(earlier)
     memory.consumed([earlier], later)
@@ -179,7 +180,7 @@ def real_step():
 def test_a_cpu_reports_no_allocator_so_a_real_step_runs_as_without_the_gate(real_step, monkeypatch):
     assert execute.allocator_reader(jax.devices()[0]) is None
     gated, gated_launches, _ = run_two_steps(*real_step)
-    monkeypatch.setattr(execute, "ALLOCATOR_GATE", False)
+    monkeypatch.setattr(account, "ALLOCATOR_GATE", False)
     plain, plain_launches, _ = run_two_steps(*real_step)
     # The same segments with the same bytes held, launch by launch (what is in flight depends on timing).
     assert [(x.segment, x.cost, x.held_bytes) for x in gated_launches] == [
@@ -273,3 +274,70 @@ def test_the_synced_diagnostic_records_nothing_where_the_device_reports_no_stati
     summary = gpu_check.summarise_synced(rows)
     assert summary["launches"] == 2 and summary["peak_rises"] == 0 and summary["rows"] == []
     assert summary["max_late_freed"] is None and summary["max_in_use_over_held"] is None
+
+
+# -- a compute-synchronized device (a GPU's client) ------------------------------------------------
+
+
+class Held:
+    """Stands in for a device array the executor holds."""
+
+    def is_deleted(self) -> bool:
+        return False
+
+
+def test_on_a_compute_synchronized_device_memory_a_launch_let_go_of_is_reused_at_once():
+    memory = DeviceMemory(100, stream_ordered=True)
+    launch = Probe()
+    memory.launched(launch)
+    memory.release([], launch, extra_bytes=60)  # scratch and dead inputs of the launch
+    memory.make_room(90)
+    assert launch.waits == 0 and memory.pending_bytes == 0
+
+
+def test_on_a_compute_synchronized_device_an_offloads_source_is_in_use_until_its_copy_ends():
+    memory = DeviceMemory(100, stream_ordered=True)
+    source, copy = Held(), Probe()
+    memory.hold(source, 60, owned=False)
+    memory.release([source], copy, copied=True)
+    assert memory.pending_bytes == 60
+    memory.make_room(50)
+    assert copy.waits == 1 and memory.pending_bytes == 0
+
+
+def test_on_a_compute_synchronized_device_an_allocator_over_the_budget_is_not_a_reason_to_drain():
+    memory = DeviceMemory(100, Allocator(1000), stream_ordered=True)
+    launch = Probe()
+    memory.launched(launch)
+    memory.make_room(10)
+    assert launch.waits == 0
+
+
+def waited_memory_kinds(real_step, monkeypatch, *, compute_synchronized: bool) -> tuple[list[str], list]:
+    """Two real steps in which nothing finishes unless waited for: the memory kind of every array
+    the executor waited on, and the steps' results."""
+    if compute_synchronized:
+        monkeypatch.setattr(account, "COMPUTE_SYNCHRONIZED", frozenset({"cpu"}))
+    monkeypatch.setattr(account, "_finished", lambda probe: probe is None)
+    kinds, wait = [], account._wait
+
+    def recorded(probe):
+        kinds.append(probe.sharding.memory_kind)
+        wait(probe)
+
+    monkeypatch.setattr(account, "_wait", recorded)
+    results, _, _ = run_two_steps(*real_step)
+    return kinds, results
+
+
+def test_a_real_step_on_a_compute_synchronized_device_waits_only_for_copies_to_host(real_step, monkeypatch):
+    kinds, results = waited_memory_kinds(real_step, monkeypatch, compute_synchronized=True)
+    assert kinds and set(kinds) == {"pinned_host"}, kinds
+    plain, _, _ = run_two_steps(*real_step)
+    for a, b in zip(results, plain, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_same_step_on_a_cpu_also_waits_for_launches(real_step, monkeypatch):
+    kinds, _ = waited_memory_kinds(real_step, monkeypatch, compute_synchronized=False)
+    assert "device" in kinds

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 from examples.decoders import WAYS, decoder_case
-from oocjax.transforms.analyse import flatten
+from oocjax.transforms.flatten import flatten
 from oocjax.transforms.layers import layer_runs
 
 DEPTH = 4

@@ -12,7 +12,7 @@ import pytest
 
 from examples.models import Transformer, next_token_step
 from oocjax import BudgetInfeasibleError, ooc_jit, to_device, to_host
-from oocjax.transforms import analyse
+from oocjax.transforms import flatten
 from tests.test_ooc_jit_reference import FLOAT32_TOLERANCE, device_bytes_at_each_boundary, fresh
 
 
@@ -125,7 +125,7 @@ def smallest_feasible_budget(step, *args) -> int:
 
 def test_the_smallest_feasible_budget_of_a_scan_run_per_iteration_is_below_the_whole_loops(monkeypatch):
     per_iteration = smallest_feasible_budget(scanned_mlp_step, W, X)
-    monkeypatch.setattr(analyse, "MAX_UNROLLED_EQUATIONS", 0)  # every scan runs whole
+    monkeypatch.setattr(flatten, "MAX_UNROLLED_EQUATIONS", 0)  # every scan runs whole
     whole = smallest_feasible_budget(scanned_mlp_step, W, X)
     assert per_iteration < whole / 2, (per_iteration, whole)
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from jax.extend.core import JaxprTypeError, check_jaxpr
 
-import oocjax.api
 import oocjax.pipeline
+import oocjax.placement
 import oocjax.transforms.execute
 from oocjax import BudgetInfeasibleError, OocError, UnsupportedPrimitiveError, ooc_jit, to_device
 from oocjax.budget import resolve_budget
@@ -227,7 +227,7 @@ def test_state_kept_on_host_comes_back_on_host_and_is_not_moved_again():
     kinds = [p.sharding.memory_kind for p in new_params]
     assert kinds == ["pinned_host" if f"argument params[{i}]" in host else "device" for i in range(4)]
     # Arguments already where the plan wants them are passed through untouched.
-    assert all(oocjax.api._to_memory(p, kind) is p for p, kind in zip(new_params, kinds))
+    assert all(oocjax.placement.to_memory(p, kind) is p for p, kind in zip(new_params, kinds))
     again, _ = step(new_params, X)
     assert [p.sharding.memory_kind for p in again] == kinds
 

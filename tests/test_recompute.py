@@ -21,7 +21,9 @@ from oocjax.schedule import (
     simulate_time,
     validate,
 )
-from oocjax.schedule.recompute import Rewrite, choose_recompute, pressure_bound, recompute_program
+from oocjax.schedule.bounds import pressure_bound
+from oocjax.schedule.recompute import choose_recompute
+from oocjax.schedule.rewrite import Rewrite, recompute_program
 from oocjax.schedule.synthetic import layered_training_step
 from tests.programs import MiB, mlp_chain, programs
 

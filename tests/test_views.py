@@ -14,8 +14,8 @@ import pytest
 
 from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax.plan import Plan
-from oocjax.render import svg_timeline
 from oocjax.schedule import plan_window
+from oocjax.timeline_svg import svg_timeline
 from tests.programs import MiB, mlp_chain
 from tests.zoo import transformer_dropout_adamw
 
@@ -116,8 +116,8 @@ def test_the_html_view_of_the_zoo_transformers_plan_stays_under_40_kb():
 
 
 def _y(plan: Plan, nbytes: int) -> float:
-    """Where the SVG draws ``nbytes`` (render.svg_timeline's scale)."""
-    from oocjax.render import _HEIGHT, _PAD
+    """Where the SVG draws ``nbytes`` (timeline_svg.svg_timeline's scale)."""
+    from oocjax.timeline_svg import _HEIGHT, _PAD
 
     top = max([plan.budget_bytes, *plan.timeline.device_bytes, *plan.baseline_timeline.device_bytes, 1]) * 1.05
     return _PAD + (_HEIGHT - 2 * _PAD) * (1 - nbytes / top)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from oocjax.budget import resolve_budget
 from oocjax.errors import BudgetInfeasibleError
 from oocjax.schedule import Offload, Prefetch, Program, keep_all, plan_window, required_bytes, simulate, validate
-from oocjax.schedule.window import _RangeMax
+from oocjax.schedule.range_max import RangeMax
 from tests.programs import MiB, programs
 
 
@@ -117,7 +117,7 @@ def test_an_output_of_a_host_input_that_is_offloaded_already_is_returned_as_that
     st.lists(st.tuples(st.integers(0, 39), st.integers(0, 39), st.integers(0, 50)), max_size=30),
 )
 def test_the_range_max_timeline_agrees_with_a_plain_list(values, operations):
-    timeline, plain = _RangeMax(values), list(values)
+    timeline, plain = RangeMax(values), list(values)
     for a, b, value in operations:
         start, stop = sorted((a % len(plain), b % len(plain)))
         stop += 1

@@ -11,147 +11,26 @@ A copy costs a fixed latency plus its bytes over the link's bandwidth, per direc
 copies run far below the link's rate (measured on an H200). The step ends
 when compute and every copy are done. The lower bound is the largest of the compute time, each
 direction's bytes over its bandwidth, and, for a schedule made for a budget,
-the pressure bound (``recompute.pressure_bound``): the bytes over the budget at the forward/backward
+the pressure bound (``bounds.pressure_bound``): the bytes over the budget at the forward/backward
 turn leave before it and come back after it, so the two directions cannot overlap there.
 
 ``calibrate_program_costs`` fits the profile's compute rates to measured segment times, so that the
-same model predicts what the device really does.
+same model predicts what the device really does. The rates come from a ``DeviceProfile``
+(``schedule.profiles``).
 """
 
 from __future__ import annotations
 
-import difflib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import combinations
 
+from oocjax.schedule.bounds import pressure_bound
 from oocjax.schedule.moves import Move, Schedule
+from oocjax.schedule.profiles import DEFAULT_PROFILE, DeviceProfile, resolve_profile
 from oocjax.schedule.program import Program, Step
 from oocjax.schedule.simulate import simulate
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DeviceProfile:
-    """Sustained rates of one accelerator and its host link.
-
-    Attributes:
-      name: what it describes.
-      flops_per_s: sustained arithmetic rate of real training kernels (not the datasheet peak).
-      hbm_bytes_per_s: device memory bandwidth.
-      h2d_bytes_per_s, d2h_bytes_per_s: measured host link bandwidth per direction.
-      op_overhead_s: fixed cost of launching one operation.
-      copy_latency_s: fixed cost of one copy, in a direction without its own latency below.
-      h2d_latency_s, d2h_latency_s: fixed cost of one copy host-to-device and device-to-host, where
-        measured per direction (``transforms.calibrate.measure_profile``); None: ``copy_latency_s``.
-      copies_overlap_compute: whether copies run beside compute (a GPU's copy engines) or take the
-        same cores and memory bandwidth as compute (a CPU, where a copy is a memcpy): then compute
-        waits while a copy runs.
-      source: where the figures come from.
-    """
-
-    name: str
-    flops_per_s: float
-    hbm_bytes_per_s: float
-    h2d_bytes_per_s: float
-    d2h_bytes_per_s: float
-    op_overhead_s: float = 5e-6
-    copy_latency_s: float = 1e-5
-    h2d_latency_s: float | None = None
-    d2h_latency_s: float | None = None
-    copies_overlap_compute: bool = True
-    source: str = ""
-
-    def compute_seconds(self, step: Step) -> float:
-        return max(step.flops / self.flops_per_s, step.bytes_accessed / self.hbm_bytes_per_s) + self.op_overhead_s
-
-    def h2d_seconds(self, nbytes: int) -> float:
-        """How long one host-to-device copy of ``nbytes`` occupies its stream."""
-        latency = self.copy_latency_s if self.h2d_latency_s is None else self.h2d_latency_s
-        return latency + nbytes / self.h2d_bytes_per_s
-
-    def d2h_seconds(self, nbytes: int) -> float:
-        """How long one device-to-host copy of ``nbytes`` occupies its stream."""
-        latency = self.copy_latency_s if self.d2h_latency_s is None else self.d2h_latency_s
-        return latency + nbytes / self.d2h_bytes_per_s
-
-
-_DATASHEET = "NVIDIA datasheet dense BF16 at 50% utilisation; publicly reported PCIe Gen5 and NVLink-C2C links"
-
-_PCIE_LINK = (35e9, 50e9)  # host-to-device, device-to-host bytes/s
-
-
-def _nvidia(
-    name: str, flops_per_s: float, hbm_bytes_per_s: float, *, link: tuple[float, float] = _PCIE_LINK, note: str = ""
-) -> DeviceProfile:
-    h2d, d2h = link
-    return DeviceProfile(
-        name=name,
-        flops_per_s=flops_per_s,
-        hbm_bytes_per_s=hbm_bytes_per_s,
-        h2d_bytes_per_s=h2d,
-        d2h_bytes_per_s=d2h,
-        source=_DATASHEET + note,
-    )
-
-
-PROFILES: dict[str, DeviceProfile] = {
-    p.name: p
-    for p in (
-        _nvidia("h100-pcie", 378e12, 2.0e12),
-        _nvidia("h100-sxm", 495e12, 3.35e12),
-        _nvidia("h200", 495e12, 4.8e12),
-        _nvidia("gh200", 495e12, 4.0e12, link=(410e9, 170e9), note=" (NVLink-C2C, D2H at the low end of 170-300 GB/s)"),
-        # A rough figure for a 2-core x86 CI machine: XLA's CPU matmuls and memcpy between "memories".
-        DeviceProfile(
-            name="cpu",
-            flops_per_s=50e9,
-            hbm_bytes_per_s=10e9,
-            h2d_bytes_per_s=5e9,
-            d2h_bytes_per_s=5e9,
-            op_overhead_s=2e-6,
-            copy_latency_s=1e-6,
-            # A copy here is a memcpy on the cores the step runs on, not a copy engine beside them
-            # (benchmarks/hybrid.py measures what that costs: results/hybrid-cpu-*.json).
-            copies_overlap_compute=False,
-            source="rough estimate for a 2-core x86 machine, not measured per machine",
-        ),
-    )
-}
-
-DEFAULT_PROFILE: DeviceProfile = PROFILES["h100-pcie"]
-"""The profile views use when none is named: the slower H100, so estimated step times err long."""
-
-
-def resolve_profile(profile: DeviceProfile | str) -> DeviceProfile:
-    """The device profile a value or a name means.
-
-    A name is read without regard to case, with spaces and underscores as dashes. It means the
-    profile of that name; else the one profile whose name starts with it (``"gh"``: ``gh200``);
-    else, for a family name (the part before a dash) the family's first profile in ``PROFILES``
-    (``"h100"``: ``h100-pcie``, the slower H100, so an estimate errs long). Anything else raises.
-
-    Raises:
-      ValueError: for a name that means no profile or several, listing the known names.
-
-    >>> resolve_profile("H100").name, resolve_profile("gh").name, resolve_profile("h100 sxm").name
-    ('h100-pcie', 'gh200', 'h100-sxm')
-    """
-    if isinstance(profile, DeviceProfile):
-        return profile
-    wanted = profile.strip().lower().replace("_", "-").replace(" ", "-")
-    if wanted in PROFILES:
-        return PROFILES[wanted]
-    starting = [name for name in PROFILES if wanted and name.startswith(wanted)]
-    family = [name for name in starting if name.split("-")[0] == wanted]
-    if len(starting) == 1 or family:
-        return PROFILES[(family or starting)[0]]
-    known = ", ".join(PROFILES)
-    if starting:
-        raise ValueError(f"ambiguous device profile {profile!r}: it could be {' or '.join(starting)}; known: {known}")
-    close = difflib.get_close_matches(wanted, PROFILES, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise ValueError(f"unknown device profile {profile!r}; known: {known}{hint}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -239,7 +118,7 @@ def _lower_bound(program: Program, schedule: Schedule, profile: DeviceProfile, c
 
 
 def _pressure_seconds(program: Program, schedule: Schedule, profile: DeviceProfile) -> float:
-    """``recompute.pressure_bound``'s step time for the schedule's budget; 0 without a budget.
+    """``bounds.pressure_bound``'s step time for the schedule's budget; 0 without a budget.
 
     That bound holds for plans within its budget that move only values of at least
     ``min_offload_bytes``. So the budget is raised to the schedule's own simulated peak (a plan over
@@ -249,8 +128,6 @@ def _pressure_seconds(program: Program, schedule: Schedule, profile: DeviceProfi
     moved = {m.buffer for m in schedule.moves} | schedule.host_inputs | schedule.host_outputs
     if schedule.budget_bytes is None or not moved:
         return 0.0
-    from oocjax.schedule.recompute import pressure_bound  # recompute builds on this module: import late
-
     threshold = min(program.buffers[b].nbytes for b in moved)
     budget = max(schedule.budget_bytes, simulate(program, schedule).peak_bytes)
     return pressure_bound(program, budget, profile=profile, min_offload_bytes=threshold).step_time_s or 0.0

@@ -24,10 +24,12 @@ from typing import Literal
 
 from oocjax.errors import BudgetInfeasibleError
 from oocjax.schedule.blocks import block_targets
-from oocjax.schedule.cost import DeviceProfile, simulate_time
+from oocjax.schedule.cost import simulate_time
 from oocjax.schedule.moves import Schedule
+from oocjax.schedule.profiles import DeviceProfile
 from oocjax.schedule.program import Program
-from oocjax.schedule.recompute import Rewrite, choose_recompute, identity_rewrite
+from oocjax.schedule.recompute import choose_recompute
+from oocjax.schedule.rewrite import Rewrite, identity_rewrite
 from oocjax.schedule.units import MiB
 from oocjax.schedule.window import plan_window
 
@@ -114,10 +116,7 @@ def plan_hybrid(
             candidates += _planned(rewrites, planner, budget_bytes, window, profile)
     if not candidates:
         raise infeasible
-    forcing = recompute == "always" or callable(recompute)
-    chosen = candidates[1] if forcing and len(candidates) > 1 and swap is not None else _steadiest(candidates)
-    if forcing and swap is None:
-        chosen = candidates[0]
+    chosen = _chosen(candidates, recompute, swap)
     return HybridPlan(
         rewrite=chosen.rewrite,
         schedule=chosen.schedule,
@@ -157,6 +156,18 @@ def _planned(rewrites: list, planner: Callable, budget_bytes: int, window: dict,
             time = simulate_time(rewrite.program, schedule, profile).step_time_s
             candidates.append(_Candidate(rewrite, schedule, time, by_block))
     return candidates
+
+
+def _chosen(
+    candidates: list[_Candidate], recompute: RecomputeMode | RecomputePolicy, swap: Schedule | None
+) -> _Candidate:
+    """The candidate ``plan_hybrid`` takes: under ``"always"`` or a policy, the first recomputing plan
+    (right after swap only, or first where swap only is infeasible); else ``_steadiest``'s pick."""
+    forcing = recompute == "always" or callable(recompute)
+    chosen = candidates[1] if forcing and len(candidates) > 1 and swap is not None else _steadiest(candidates)
+    if forcing and swap is None:
+        chosen = candidates[0]
+    return chosen
 
 
 def _steadiest(candidates: list[_Candidate]) -> _Candidate:

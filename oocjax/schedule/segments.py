@@ -22,8 +22,8 @@ A segment trades timing fidelity for dispatch cost, and memory for both:
   program costs tens of microseconds, which small segments cannot hide. A prefetch the merge leaves
   inside the segment is issued at its start if the segment reads it, else at the next boundary.
 
-``executed_peak`` gives the peak of the chain from the programs' measured sizes, and
-``check_segments`` replays the chain on a fake device to check that it runs at all.
+``executed_peak`` gives the peak of the chain from the programs' measured sizes; ``schedule.chain``
+puts the segments in the order they run and checks that they run at all.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate, pairwise
 
+from oocjax.schedule.layer_cuts import layer_cuts
 from oocjax.schedule.moves import Offload, Schedule
 from oocjax.schedule.program import Program, Stay, Step
-from oocjax.schedule.simulate import Violation
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,73 +307,6 @@ def cut_segments(
     return tuple(cutter.segment(a, y, previous) for (a, y), previous in zip(ranges, starts))
 
 
-def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flops: int) -> frozenset[int]:
-    """The steps where groups of layers alike begin, and where the last of them ends.
-
-    In each pass (a kind's first word tells the backward's from the forward's), the runs of layers
-    are taken in groups of whole periods of their kinds (``Conv, BatchNorm, Conv, BatchNorm``: 2),
-    enough periods for ``min_flops`` of work. A group is cut out only where another group of the
-    pass is alike (``_signature``: the same operations on the same sizes, keeping the same values
-    for later), so that they run one compiled program; a group like no other is left to the cuts
-    the plan needs. A cut that buys no sharing costs a launch, compiles a program more and moves
-    where XLA rounds low-precision values.
-
-    >>> from oocjax.schedule import Program
-    >>> p = Program.from_ops([("f", ["x"], ["y"]), ("f", ["y"], ["z"]), ("h", ["z"], ["w"])],
-    ...                      {"x": 8, "y": 8, "z": 8, "w": 8}, inputs=["x"], outputs=["w"])
-    >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 2, "Dense")], min_flops=0))  # two layers alike
-    [0, 1, 2]
-    >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 3, "Dense")], min_flops=0))  # the second is not
-    []
-    """
-    cuts: set[int] = set()
-    for runs in _passes(layers):
-        kinds = [kind for _, _, kind in runs]
-        period = next(p for p in range(1, len(kinds) + 1) if kinds[p:] == kinds[:-p] or p == len(kinds))
-        blocks = [runs[i : i + period] for i in range(0, len(runs), period)]
-        flops = sorted(sum(s.flops for a, y, _ in block for s in program.steps[a:y]) for block in blocks)
-        per_group = period * max(1, -(-min_flops // max(flops[len(flops) // 2], 1)))
-        starts = [runs[i][0] for i in range(0, len(runs), per_group)]
-        bounds = [*starts, runs[-1][1]]
-        signatures = [_signature(program, a, y) for a, y in pairwise(bounds)]
-        shared = [signatures.count(sig) > 1 for sig in signatures]
-        for i, start in enumerate(starts):
-            if shared[i] or (i and shared[i - 1]):
-                cuts.add(start)
-        if shared[-1]:
-            cuts.add(bounds[-1])
-    return frozenset(cuts)
-
-
-def _signature(program: Program, a: int, y: int) -> tuple:
-    """What steps a..y-1 compile to, as far as the planner sees: each step's operation, its operands
-    (a value defined in the range by position, else by size), its results' sizes and whether
-    steps after the range read them."""
-    local: dict[int, int] = {}
-    spans, buffers = program.unmoved_spans, program.buffers
-    signature = []
-    for step in program.steps[a:y]:
-        operands = tuple(local.get(b, -buffers[b].nbytes - 1) for b in step.reads)
-        results = tuple((buffers[b].nbytes, spans[b][1] >= y) for b in step.writes)
-        local.update((b, len(local)) for b in step.writes)
-        signature.append((step.name, operands, results, step.flops))
-    return tuple(signature)
-
-
-def _passes(layers: Sequence[tuple[int, int, str]]) -> list[list[tuple[int, int, str]]]:
-    """The layer runs split where the pass changes (forward, backward: the kind's first word)."""
-    passes: list[list[tuple[int, int, str]]] = []
-    phase = None
-    for run in layers:
-        kind = run[2]
-        this = kind.split(" ")[0] if " " in kind else ""
-        if not passes or this != phase:
-            passes.append([])
-            phase = this
-        passes[-1].append(run)
-    return passes
-
-
 def _apart(a: int, y: int, original_of: dict[int, int]) -> list[tuple[int, int]]:
     """Steps a..y-1 cut before every copy that would otherwise share its segment with its original
     or with another copy of it."""
@@ -454,165 +387,3 @@ def with_measured_scratch(
         for step, extra in zip(program.steps, transient)
     )
     return Program(steps=steps, buffers=program.buffers)
-
-
-def check_segments(program: Program, schedule: Schedule, segments: Sequence[Segment]) -> tuple[Violation, ...]:
-    """Every way the chain of ``segments`` would fail to run, found by running it on a fake device.
-
-    The replay follows ``transforms.segment.chain_function`` and the executor: arguments start in
-    host memory (``schedule.host_inputs``) or on the device, constants on the device; before each
-    segment its waits and prefetches need a host copy; its launch reads ``segment.inputs`` from the
-    device and consumes (deletes) the copies it donates; its outputs are then on the device, and
-    its offloads need a live device copy. At the end each output must be in its memory (host for
-    ``schedule.host_outputs``). A use of a copy that is missing or was donated is a violation naming
-    the buffer, the segment and what happened. ``validate`` checks the plan's memory; this checks
-    that its segments run. Linear in the segments' lists and the steps' reads. Empty when it runs.
-
-    >>> from oocjax.schedule import Program, keep_all
-    >>> p = Program.from_ops([("f", ["x"], ["y"]), ("g", ["y"], ["z"])], {"x": 8, "y": 8, "z": 8},
-    ...                      inputs=["x"], outputs=["z"])
-    >>> check_segments(p, keep_all(p), cut_segments(p, keep_all(p), budget_bytes=64))
-    ()
-    >>> lost = [replace(s, outputs=()) for s in cut_segments(p, keep_all(p), budget_bytes=64, min_segments=2)]
-    >>> [v.message for v in check_segments(p, keep_all(p), lost)]  # doctest: +NORMALIZE_WHITESPACE
-    ['buffer 1 (y) is read by segment 1 (step 1), but it is not on the device: it is not an output
-      of any segment so far, and no prefetch brings it in',
-     'buffer 2 (z) is returned on the device, but it is not on the device: it is not an output of
-      any segment so far, and no prefetch brings it in']
-    """
-    replay = _ChainReplay(program, schedule, segments)
-    replay.check_order()
-    for i, segment in enumerate(segments):
-        replay.run(i, segment)
-    replay.check_returned()
-    return tuple(replay.violations)
-
-
-# The state of one copy (on the device, or on host) of a buffer during the replay. Only donation
-# deletes a copy early: the executor drops a value after its last use in the chain, which by
-# construction comes after every use the replay checks, so drops are not replayed.
-_ABSENT, _LIVE, _DONATED = 0, 1, 2
-
-
-class _ChainReplay:
-    """The fake device and host of one replay: per buffer, the state of each copy."""
-
-    __slots__ = ("device", "donated_by", "host", "owned", "program", "schedule", "segments", "violations")
-
-    def __init__(self, program: Program, schedule: Schedule, segments: Sequence[Segment]):
-        self.program, self.schedule, self.segments = program, schedule, segments
-        count = len(program.buffers)
-        self.device, self.host = [_ABSENT] * count, [_ABSENT] * count
-        # Whether the executor owns the device copy, so a launch may consume it: it made it (a
-        # result, a prefetch), or the caller donated the argument. A caller's kept argument or a
-        # constant donated to a segment would be deleted under the caller or the next call.
-        self.owned = [False] * count
-        self.donated_by = [-1] * count  # the segment that consumed the device copy
-        self.violations: list[Violation] = []
-        for b, buffer in enumerate(program.buffers):
-            if buffer.kind == "input" and b in schedule.host_inputs:
-                self.host[b] = _LIVE
-            elif buffer.kind != "computed":
-                self.device[b], self.owned[b] = _LIVE, buffer.donated
-
-    def check_order(self) -> None:
-        """The segments must run every step once, in order."""
-        stop, n = 0, len(self.program.steps)
-        for i, segment in enumerate(self.segments):
-            if segment.start != stop or segment.stop <= segment.start:
-                what = f"{self._where(i)} should start at step {stop}, where the one before ends, and run a step"
-                self.violations.append(Violation(kind="bad-segment", step=segment.start, message=what))
-            stop = segment.stop
-        if stop != n:
-            what = f"the segments end before step {stop}, but the program has {n} steps"
-            self.violations.append(Violation(kind="bad-segment", step=stop, message=what))
-
-    def run(self, i: int, segment: Segment) -> None:
-        """Segment ``i`` as the chain runs it: waits, prefetches, the launch, offloads."""
-        for b in segment.waits:
-            self._need_host(b, f"is waited for before {self._where(i)}", "no earlier segment offloads it", i)
-        for b in segment.prefetches:
-            why = "it is not a host input and no earlier segment offloads it"
-            self._need_host(b, f"is prefetched before {self._where(i)}", why, i)
-            # The copy counts as made even where it could not be, here and for offloads below: one
-            # fault is reported once, not again at every later use of the copy.
-            self.device[b], self.owned[b] = _LIVE, True
-        self._check_body(i, segment)
-        for b in segment.inputs:
-            self._need_device(b, f"is read by {self._where(i)}", i)
-        donated = set(segment.donated)
-        for b in segment.inputs:  # the segment's function donates by argument position: inputs only
-            if b not in donated:
-                continue
-            if self.device[b] == _LIVE and not self.owned[b]:
-                what = f"is donated to {self._where(i)}, but its device copy is the caller's ({self._whose(b)})"
-                self.violations.append(self._about("donates-caller-buffer", b, what, i))
-            self.device[b], self.donated_by[b] = _DONATED, i
-        for b in segment.outputs:
-            self.device[b], self.owned[b] = _LIVE, True
-        for b in segment.offloads:
-            self._need_device(b, f"is offloaded after {self._where(i)}", i)
-            self.host[b] = _LIVE
-
-    def check_returned(self) -> None:
-        """Each output must be where the step returns it: on host or on the device."""
-        for b, buffer in enumerate(self.program.buffers):
-            if not buffer.is_output:
-                continue
-            if b in self.schedule.host_outputs:
-                self._need_host(b, "is returned on host", "it is not a host input and no segment offloads it")
-            else:
-                self._need_device(b, "is returned on the device")
-
-    def _check_body(self, i: int, segment: Segment) -> None:
-        """A segment's steps may read only its inputs and what its earlier steps define, and it can
-        return only what it defines (``transforms.segment`` builds its function from these lists)."""
-        steps, known = self.program.steps[segment.start : segment.stop], set(segment.inputs)
-        for k, step in enumerate(steps, segment.start):
-            for b in step.reads:
-                if b not in known:
-                    what = f"is read at step {k} in {self._where(i)}, which neither takes it as an input nor defines it"
-                    self.violations.append(self._about("bad-segment", b, what, i))
-            known.update(step.writes)
-        defined = {b for step in steps for b in step.writes}
-        for b in segment.outputs:
-            if b not in defined:
-                self.violations.append(
-                    self._about("bad-segment", b, f"is an output of {self._where(i)}, which does not define it", i)
-                )
-
-    def _need_device(self, b: int, what: str, i: int | None = None) -> None:
-        """A violation saying why, where ``b`` has no live device copy."""
-        state = self.device[b]
-        if state == _LIVE:
-            return
-        if state == _DONATED:
-            why = f"{self._where(self.donated_by[b])} consumed its device copy (it was donated there)"
-            self.violations.append(self._about("use-after-donation", b, f"{what}, but {why}", i))
-        else:
-            why = (
-                "it lives in host memory and no prefetch brings it in"
-                if self.host[b] == _LIVE and self.program.buffers[b].kind == "input"
-                else "it is not an output of any segment so far, and no prefetch brings it in"
-            )
-            self.violations.append(
-                self._about("missing-device-copy", b, f"{what}, but it is not on the device: {why}", i)
-            )
-
-    def _need_host(self, b: int, what: str, why: str, i: int | None = None) -> None:
-        if self.host[b] != _LIVE:
-            self.violations.append(self._about("missing-host-copy", b, f"{what}, but it has no host copy: {why}", i))
-
-    def _about(self, kind: str, b: int, what: str, i: int | None) -> Violation:
-        step = None if i is None else self.segments[i].start
-        return Violation(kind=kind, step=step, buffer=b, message=f"buffer {b} ({self.program.buffers[b].label}) {what}")
-
-    def _where(self, i: int) -> str:
-        segment = self.segments[i]
-        last = segment.stop - 1
-        steps = f"step {segment.start}" if last <= segment.start else f"steps {segment.start}..{last}"
-        return f"segment {i} ({steps})"
-
-    def _whose(self, b: int) -> str:
-        buffer = self.program.buffers[b]
-        return "a constant" if buffer.kind == "constant" else "an argument the caller keeps"

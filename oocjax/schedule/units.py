@@ -76,3 +76,8 @@ def _format_bytes_up(nbytes: int) -> str:
     whole, fraction = divmod(steps, 10**decimals)
     text = f"{whole}.{fraction:0{decimals}d}".rstrip("0").rstrip(".") if decimals else str(whole)
     return f"{text} {units[power]}"
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 segment``, ``3 segments``, ``2 prefetches``, ``2 softmaxes``."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith(("h", "x")) else f"{n} {noun}s"

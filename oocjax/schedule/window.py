@@ -20,8 +20,9 @@ Because the window is in bytes, the prefetch distance adapts along the program: 
 where tensors are small, few where they are large. There is no timing model.
 
 Beyond nnabla: buffers under ``min_offload_bytes`` never move; an infeasible budget is detected
-before planning and reported with the smallest feasible budget; inputs whose plan is "fetch at the
-start and keep" stay on the device instead, and outputs follow the memory of the input they alias.
+before planning and reported with the smallest feasible budget (``schedule.feasibility``); inputs
+whose plan is "fetch at the start and keep" stay on the device instead, and outputs follow the
+memory of the input they alias (``schedule.homes``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate
 
-from oocjax.errors import BudgetInfeasibleError
 from oocjax.schedule._gc import gc_paused
 from oocjax.schedule.baselines import keep_all
-from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule, move_order
+from oocjax.schedule.feasibility import check_feasible
+from oocjax.schedule.homes import settle_homes
+from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.program import Program, held_for_whole_step
 from oocjax.schedule.simulate import simulate
 from oocjax.schedule.units import MiB, format_bytes
@@ -83,71 +85,7 @@ def plan_window(
             return keep_all(program, budget_bytes=budget_bytes, strategy="window")
         check_feasible(program, budget_bytes, min_offload_bytes)
         _check_window(program, window)
-        return _settle_homes(program, _WindowPlanner(program, budget_bytes, window, min_offload_bytes).plan())
-
-
-def required_bytes(program: Program, min_offload_bytes: int = MiB) -> list[int]:
-    """Per step, the device bytes no schedule can go below: the step's own operands, results and
-    scratch, plus every value too small to move that is alive across it."""
-    n = len(program.steps)
-    movable_bytes = [0 if b.never_moves(min_offload_bytes) else b.nbytes for b in program.buffers]
-    pinned_diff = [0] * (n + 1)
-    for b, buffer in enumerate(program.buffers):
-        if n and not movable_bytes[b]:
-            start, end = program.unmoved_spans[b]
-            pinned_diff[start] += buffer.nbytes
-            pinned_diff[end + 1] -= buffer.nbytes
-    need, pinned = [], 0
-    for k, step in enumerate(program.steps):
-        pinned += pinned_diff[k]
-        movable = step.transient_bytes
-        for b in step.reads:
-            movable += movable_bytes[b]
-        for b in step.writes:
-            movable += movable_bytes[b]
-        need.append(pinned + movable)
-    return need
-
-
-def check_feasible(program: Program, budget_bytes: int, min_offload_bytes: int = MiB) -> None:
-    """Raises ``BudgetInfeasibleError`` if some step alone needs more than ``budget_bytes``."""
-    need = required_bytes(program, min_offload_bytes)
-    if not need or max(need) <= budget_bytes:
-        return
-    worst = max(range(len(need)), key=need.__getitem__)
-    step = program.steps[worst]
-    own = sum(program.buffers[b].nbytes for b in (*step.reads, *step.writes)) + step.transient_bytes
-    # Rounded up: the figure, passed back as the budget, must be accepted.
-    smallest = format_bytes(need[worst], round_up=True)
-    fixes = [
-        f"raise the budget to at least {smallest} ({need[worst]} bytes);",
-        "make that operation smaller: a smaller batch, or split it (chunk the sequence, the vocabulary "
-        "or the layer's width) so that no single operation needs so much at once;",
-    ]
-    if need[worst] > own:
-        fixes.append(
-            f"lower min_offload_bytes (now {format_bytes(min_offload_bytes)}): "
-            f"{format_bytes(need[worst] - own)} of that is values too small to move, held on the device"
-        )
-    numbered = "\n".join(f"  {i}. {fix}" for i, fix in enumerate(fixes, 1))
-    # Two figures make up what the step needs; each gets its own line, saying what it counts.
-    pinned = need[worst] - own
-    parts = (
-        f"That is:\n  - {format_bytes(own)} for its own operands, results and scratch;\n"
-        f"  - {format_bytes(pinned)} for other values alive across it that no plan moves (constants, "
-        f"arguments kept on the device, values under min_offload_bytes, now {format_bytes(min_offload_bytes)})."
-        if pinned
-        else "All of it is the operation's own operands, results and scratch."
-    )
-    raise BudgetInfeasibleError(
-        f"a budget of {format_bytes(budget_bytes)} is too small: step {worst} ({step.describe()}) alone "
-        f"needs {smallest} on the device.\n{parts}\n"
-        f"The smallest feasible budget is {smallest}, set by that operation.\nFixes:\n{numbered}",
-        budget_bytes=budget_bytes,
-        required_bytes=need[worst],
-        step=worst,
-        where=step.describe(),
-    )
+        return settle_homes(program, _WindowPlanner(program, budget_bytes, window, min_offload_bytes).plan())
 
 
 def _check_window(program: Program, window_bytes: int) -> None:
@@ -418,155 +356,3 @@ class _Pass:
             host_outputs=frozenset(host_outputs),
             moves=tuple(moves),
         )
-
-
-def _settle_homes(program: Program, schedule: Schedule) -> Schedule:
-    """Decides where inputs and outputs live between steps, given the window plan.
-
-    * An input the device can hold from the start is kept there instead of on host, where the
-      budget still holds (``_inputs_kept_on_device``): the window starts every movable input on
-      host, which is right only for what does not fit. Without this, a budget a little below what
-      a plan needs with nothing moved sends the whole training state to host and back every step.
-    * An output that replaces a donated input lives where that input lives, so the next call finds
-      its state where the plan expects it. If the input stays on host while the output would be
-      returned on the device, the output is returned on host: as the host copy its offload made,
-      if the plan offloads it (a value never changes, so that copy is still valid, and a second
-      offload is invalid), else as a copy made after its last use (the device copy was held to the
-      end anyway).
-    """
-    kept_on_device = _inputs_kept_on_device(program, schedule)
-    host_inputs = set(schedule.host_inputs) - kept_on_device
-    host_outputs = set(schedule.host_outputs)
-    extra_offloads = []
-    for b, buffer in enumerate(program.buffers):
-        source = buffer.aliased_input
-        if source in host_inputs and b not in host_outputs and buffer.kind == "computed":
-            host_outputs.add(b)
-            if b not in schedule.offload_by_buffer:
-                last = max((program.uses.defined_at[b], *program.uses.read_at[b]))
-                extra_offloads.append(Offload(buffer=b, after_step=last, done_before_step=None))
-
-    moves = [m for m in schedule.moves if m.buffer not in kept_on_device] if kept_on_device else schedule.moves
-    if extra_offloads:
-        moves = sorted([*moves, *extra_offloads], key=move_order)  # two sorted runs: a linear merge
-    return Schedule(
-        strategy=schedule.strategy,
-        budget_bytes=schedule.budget_bytes,
-        host_inputs=frozenset(host_inputs),
-        host_outputs=frozenset(host_outputs),
-        moves=tuple(moves),
-    )
-
-
-def _inputs_kept_on_device(program: Program, schedule: Schedule) -> set[int]:
-    """The host inputs kept on the device instead, each where the planned timeline plus its bytes
-    stays within the budget, cheapest first.
-
-    A kept input occupies the device over its unmoved span (from step 0 to its last read if it is
-    donated, to the last step if not) where the plan held it only between each prefetch and its
-    reads; it saves its prefetches, and the offload that would return its output to a host home.
-    Cheapest: fewest added byte-steps per byte saved, so an input prefetched at step 0 and never
-    dropped (no added bytes) is always kept. An input whose output the plan returns on host stays
-    on host with it."""
-    last_step = len(program.steps) - 1
-    aliased_output = {buf.aliased_input: b for b, buf in enumerate(program.buffers) if buf.aliased_input is not None}
-    candidates = []  # (added byte-steps per byte saved, buffer, the steps it would add its bytes to)
-    for b in schedule.host_inputs:
-        output = aliased_output.get(b)
-        if b in schedule.host_outputs or output in schedule.host_outputs:
-            continue  # its output stays on host: keep the input there too
-        nbytes, fetches = program.buffers[b].nbytes, len(schedule.prefetches_by_buffer.get(b, ()))
-        saved = nbytes * (fetches + (output is not None))
-        if not saved:
-            continue
-        gaps, covered = [], program.unmoved_spans[b][0]  # steps of the unmoved span the plan's stays leave out
-        for stay in schedule.device_stays(program, b):
-            if stay.start > covered:
-                gaps.append((covered, stay.start - 1))
-            covered = max(covered, min(stay.end, last_step) + 1)
-        if covered <= program.unmoved_spans[b][1]:
-            gaps.append((covered, program.unmoved_spans[b][1]))
-        added = nbytes * sum(end - start + 1 for start, end in gaps)
-        candidates.append((added / saved, b, gaps))
-    if not candidates:
-        return set()
-    budget = schedule.budget_bytes
-    device = _RangeMax(simulate(program, schedule).device_bytes)  # a list would make this quadratic
-    kept: set[int] = set()
-    for _, b, gaps in sorted(candidates):
-        nbytes = program.buffers[b].nbytes
-        if budget is not None and any(device.max(s, e + 1) + nbytes > budget for s, e in gaps):
-            continue
-        for s, e in gaps:
-            device.add(s, e + 1, nbytes)
-        kept.add(b)
-    return kept
-
-
-class _RangeMax:
-    """A timeline of numbers with two operations in O(log n): add a value over steps
-    ``start .. stop - 1``, and the largest number over such a range. A bottom-up segment tree
-    with lazy additions (each inner node holds the max of its children plus what was added to its
-    whole range).
-
-    >>> t = _RangeMax([3, 1, 4, 1, 5])
-    >>> t.add(1, 4, 10)
-    >>> t.max(0, 2), t.max(3, 5), t.max(0, 5)
-    (11, 11, 14)
-    """
-
-    def __init__(self, values):
-        values = list(values)
-        self.n = n = max(len(values), 1)
-        self.height = n.bit_length()
-        self.tree = [0] * n + values + [0] * (n - len(values))
-        self.pending = [0] * n  # per inner node, what was added to all of its range
-        for p in range(n - 1, 0, -1):
-            self.tree[p] = max(self.tree[2 * p], self.tree[2 * p + 1])
-
-    def add(self, start: int, stop: int, value: int) -> None:
-        lo, hi = start + self.n, stop + self.n
-        first, last = lo, hi - 1
-        while lo < hi:
-            if lo & 1:
-                self._apply(lo, value)
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                self._apply(hi, value)
-            lo, hi = lo >> 1, hi >> 1
-        self._rebuild(first)
-        self._rebuild(last)
-
-    def max(self, start: int, stop: int) -> int:
-        lo, hi = start + self.n, stop + self.n
-        self._push(lo)
-        self._push(hi - 1)
-        best = None
-        while lo < hi:
-            if lo & 1:
-                best = self.tree[lo] if best is None else max(best, self.tree[lo])
-                lo += 1
-            if hi & 1:
-                hi -= 1
-                best = self.tree[hi] if best is None else max(best, self.tree[hi])
-            lo, hi = lo >> 1, hi >> 1
-        return best
-
-    def _apply(self, p: int, value: int) -> None:
-        self.tree[p] += value
-        if p < self.n:
-            self.pending[p] += value
-
-    def _rebuild(self, p: int) -> None:
-        while p > 1:
-            p >>= 1
-            self.tree[p] = max(self.tree[2 * p], self.tree[2 * p + 1]) + self.pending[p]
-
-    def _push(self, p: int) -> None:
-        for shift in range(self.height, 0, -1):
-            i = p >> shift
-            if i and self.pending[i]:
-                self._apply(2 * i, self.pending[i])
-                self._apply(2 * i + 1, self.pending[i])
-                self.pending[i] = 0

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oocjax.schedule.cost import DEFAULT_PROFILE, PROFILES, DeviceProfile
+from oocjax.schedule.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile
 from oocjax.schedule.segments import Segment
 from oocjax.schedule.units import MiB
 from oocjax.transforms.segment import segment_functions

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from oocjax.transforms import _compat as jc
-from oocjax.transforms.analyse import FlatProgram
+from oocjax.transforms.flat import FlatProgram
 from oocjax.transforms.segment import params_key
 
 # A path component numbered among its siblings: ``Block_3``, ``layer.3``, ``h/3`` (kind empty).

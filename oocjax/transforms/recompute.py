@@ -4,12 +4,12 @@
 again. Two things it cannot know live here:
 
 * **May an equation run twice?** (``recomputable_steps``). Only if running it again gives the same
-  results and does nothing else. Per primitive, a rule in ``recompute_rules`` says why not (or
-  ``None``); a primitive without a rule gets ``_default_recompute_rule``: refused if it has effects
-  (a print, an ``io_callback``, a side-effecting FFI call: running it twice would do it twice),
-  else allowed after the same check on every equation of the jaxprs it holds. Random numbers from
-  explicit keys are allowed: a JAX key is a value, so a copy of ``random_bits`` on the same key
-  gives the same bits (this is also what ``jax.checkpoint`` relies on).
+  results and does nothing else. Per primitive, its rule's ``why_not_recomputable``
+  (``transforms.rules``) says why not (or ``None``); the default rule refuses an equation if it has
+  effects (a print, an ``io_callback``, a side-effecting FFI call: running it twice would do it
+  twice), else allows it after the same check on every equation of the jaxprs it holds. Random
+  numbers from explicit keys are allowed: a JAX key is a value, so a copy of ``random_bits`` on the
+  same key gives the same bits (this is also what ``jax.checkpoint`` relies on).
 * **The rewrite as equations** (``apply_rewrite``): per step of ``Rewrite.program``, the original
   equation it runs, on the rewrite's buffer ids. Copies are marked (``FlatEquation.recompute_of``),
   so that ``transforms.segment`` can keep XLA from merging a copy with its original again.
@@ -17,63 +17,10 @@ again. Two things it cannot know live here:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 from oocjax.schedule.program import Step
 from oocjax.schedule.recompute import Rewrite
-from oocjax.transforms import _compat as jc
-from oocjax.transforms.analyse import FlatEquation, FlatProgram, Ref
-
-RecomputeRule = Callable[[jc.JaxprEqn], str | None]  # why an equation may not run twice; None: it may
-
-
-def _refuse(reason: str) -> RecomputeRule:
-    return lambda eqn: reason
-
-
-recompute_rules: dict[str, RecomputeRule] = {
-    # A transfer between memories (or devices) inside the step: a copy would move the bytes again,
-    # over the link the plan's own transfers use, at a cost the planner does not count.
-    jc.device_put_p.name: _refuse("it is a transfer (device_put): a copy would move its bytes again"),
-    # XLA's stateful generator: its bits depend on how many draws came before, not on operands.
-    "rng_uniform": _refuse("it draws from XLA's stateful generator: a second run gives other bits"),
-    # Declared pure, so JAX may call it twice too; but it runs Python on the host, whose time the
-    # planner cannot estimate, so recomputing it could cost more than moving its result.
-    "pure_callback": _refuse("it calls back into Python on the host, at a cost the planner cannot estimate"),
-    # Opaque higher-order equations (scan, while, cond, custom_jvp_call, custom_vjp_call) take the
-    # default rule: without effects a jaxpr is a function of its operands, so running it again gives
-    # the same results; the default rule also checks their bodies equation by equation, because a
-    # body may hold a primitive refused above (a device_put, a stateful draw) that has no effect.
-}
-
-
-def why_not_recomputable(eqn: jc.JaxprEqn) -> str | None:
-    """Why ``eqn`` may not run twice, or ``None`` if it may.
-
-    >>> import jax, jax.numpy as jnp
-    >>> eqns = jax.make_jaxpr(lambda k: jax.random.normal(k, (2,)))(jax.random.key(0)).eqns
-    >>> [why_not_recomputable(e) for e in eqns]
-    [None]
-    """
-    rule = recompute_rules.get(eqn.primitive.name, _default_recompute_rule)
-    return rule(eqn)
-
-
-def _default_recompute_rule(eqn: jc.JaxprEqn) -> str | None:
-    if eqn.effects:
-        names = ", ".join(sorted(type(effect).__name__ for effect in eqn.effects))
-        return f"it has effects ({names}): running it twice would perform them twice"
-    for _, body in jc.sub_jaxprs(eqn.params):
-        reason = _why_not_body(getattr(body, "jaxpr", body))
-        if reason is not None:
-            return f"its {eqn.primitive.name} body holds an equation that may not run twice: {reason}"
-    return None
-
-
-@functools.lru_cache(maxsize=1024)  # unrolled layers hold the same bodies: check each once
-def _why_not_body(jaxpr: jc.Jaxpr) -> str | None:
-    return next((r for eqn in jaxpr.eqns if (r := why_not_recomputable(eqn)) is not None), None)
+from oocjax.transforms.flat import FlatEquation, FlatProgram, Ref
+from oocjax.transforms.rules import why_not_recomputable
 
 
 def recomputable_steps(flat: FlatProgram) -> tuple[bool, ...]:
@@ -81,7 +28,7 @@ def recomputable_steps(flat: FlatProgram) -> tuple[bool, ...]:
     the ``recomputable`` argument of ``schedule.recompute`` is ``recomputable_steps(flat).__getitem__``.
 
     >>> import jax, jax.numpy as jnp
-    >>> from oocjax.transforms.analyse import flatten
+    >>> from oocjax.transforms.flatten import flatten
     >>> def f(x):
     ...     jax.debug.print("x = {}", x)
     ...     return jnp.sin(x)

@@ -1,14 +1,14 @@
-"""A segment on the JAX side: its jitted function, its compiled program, and the chain of records
-the executor runs.
+"""A segment on the JAX side: its jitted function, its compiled program, and the chain with what
+running it takes.
 
-``schedule.segments`` decides where a planned step is cut (pure Python); this module turns those
-segments into programs and into the chain: one ``SegmentRun`` record per segment, built once per
-plan, holding everything a launch needs (the program, the argument slots, the transfers and waits
-around it, the slots it lets go of), so that the executor (``transforms.execute``) does no
-decoding per call. The chain's jaxpr (``chain_jaxpr``) is for people to read: its top-level
-equations are, in execution order, the waits for offloads (``ooc_wait``), the prefetches
-(``device_put`` to device memory), the segment calls (``jit`` equations named ``segment_<i>``)
-and the offloads (``device_put`` to host memory); ``Plan.jaxpr`` shows it.
+``schedule.segments`` decides where a planned step is cut and ``schedule.chain`` in what order
+its operations run (pure Python); this module turns the segments into programs, and the chain
+into an ``ExecutableChain`` (programs, literals, constants, sizes, made once per plan, so that the
+executor in ``transforms.execute`` decodes nothing per call) and into a function whose jaxpr
+(``chain_jaxpr``) is for people to read: its top-level equations are the chain's operations in
+order: waits for offloads (``ooc_wait``), prefetches (``device_put`` to device memory), segment
+calls (``jit`` equations named ``segment_<i>``) and offloads (``device_put`` to host memory);
+``Plan.jaxpr`` shows it.
 
 Segments receive their constants as arguments, so that two segments of the same shape (repeated
 layers) have the same jaxpr and share one compiled program.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +32,10 @@ import jax
 import numpy as np
 
 from oocjax.schedule import Schedule
+from oocjax.schedule.chain import Chain, Launch, Operation, Prefetch, Wait, build_chain
 from oocjax.schedule.segments import Segment, SegmentCost
 from oocjax.transforms import _compat as jc
-from oocjax.transforms.analyse import FlatEquation, FlatProgram
+from oocjax.transforms.flat import FlatEquation, FlatProgram
 from oocjax.transforms.memories import sharding, spec
 from oocjax.transforms.shardings import Layout, shard_bytes
 
@@ -153,48 +154,62 @@ def _copy_barriers(equations: Sequence[FlatEquation]) -> dict[int, tuple[tuple[i
 
 
 def chain_function(
-    flat: FlatProgram,
-    schedule: Schedule,
-    segments: Sequence[Segment],
-    functions: Sequence[Callable],
-    labels: Sequence[str] = (),
+    flat: FlatProgram, chain: Chain, functions: Sequence[Callable], labels: Sequence[str] = ()
 ) -> Callable[..., tuple[Any, ...]]:
-    """The step as a chain: a function of the flat arguments (host inputs in host memory) that
-    waits, prefetches, calls each segment and offloads, as planned. Trace it to read the chain;
-    ``transforms.execute`` runs that trace.
+    """The chain as a function of the step's flat arguments (host inputs in host memory) that
+    follows its operations: it waits, prefetches, calls each segment and offloads. Traced, it is
+    the jaxpr ``Plan.jaxpr`` shows; the executor runs the same operations.
 
     Each transfer and wait is named (``oocjax.offload(<value>)``, from ``labels`` per buffer) in the
     equation's name stack, so the chain's jaxpr and profiler traces say what moves, and a
     ``device_put`` the step itself makes (inside a segment) is never taken for one of the plan's."""
+    host = chain.host_offset
 
     def named(what: str, b: int) -> Any:
         label = labels[b] if b < len(labels) else f"buffer {b}"
         return jax.named_scope(f"oocjax.{what}({label.replace('/', '|')})")
 
     def run(*arguments: Any) -> tuple[Any, ...]:
-        device: dict[int, Any] = dict(flat.constants)
-        host: dict[int, Any] = {}
-        for b, value in enumerate(arguments):
-            (host if b in schedule.host_inputs else device)[b] = value
-        literals = [_on_device(segment_literals(flat, segment)) for segment in segments]
-        for segment, function, lifted in zip(segments, functions, literals, strict=True):
-            for b in segment.waits:
-                with named("wait", b):
-                    host[b] = jc.wait_p.bind(host[b])
-            for b in segment.prefetches:
-                with named("prefetch", b):
-                    device[b] = jax.device_put(host[b], Device)
-            results = function(*(device[b] for b in segment.inputs), *lifted)
-            device.update(zip(segment.outputs, results, strict=True))
-            for b in segment.offloads:
-                with named("offload", b):
-                    host[b] = jax.device_put(device[b], Host)
-        return tuple(
-            r.val if isinstance(r, jc.Literal) else host[r] if r in schedule.host_outputs else device[r]
-            for r in flat.outputs
-        )
+        slots: list[Any] = [None] * chain.num_slots
+        for b, value in flat.constants:
+            slots[b] = value
+        for slot, value in zip(chain.argument_slots, arguments, strict=True):
+            slots[slot] = value
+        literals = [_on_device(segment_literals(flat, segment)) for segment in chain.segments]
+        for op in chain.operations:
+            if isinstance(op, Launch):
+                results = functions[op.segment](*(slots[b] for b in op.inputs), *literals[op.segment])
+                for b, x in zip(op.outputs, results, strict=True):
+                    slots[b] = x
+                continue
+            for b in op.buffers:
+                with named(type(op).__name__.lower(), b):
+                    if isinstance(op, Wait):
+                        slots[b + host] = jc.wait_p.bind(slots[b + host])
+                    elif isinstance(op, Prefetch):
+                        slots[b] = jax.device_put(slots[b + host], Device)
+                    else:
+                        slots[b + host] = jax.device_put(slots[b], Host)
+        return tuple(_result(flat, chain, slots))
 
     return run
+
+
+def flat_chain(flat: FlatProgram, schedule: Schedule, segments: Sequence[Segment]) -> Chain:
+    """The chain of a traced step cut into ``segments``: the step's flat arguments and results."""
+    return build_chain(
+        segments,
+        num_buffers=len(flat.avals),
+        arguments=range(flat.num_inputs),
+        host_inputs=schedule.host_inputs,
+        results=[None if isinstance(r, jc.Literal) else r for r in flat.outputs],
+        host_outputs=schedule.host_outputs,
+    )
+
+
+def _result(flat: FlatProgram, chain: Chain, slots: Sequence[Any]) -> Iterator[Any]:
+    for r, slot in zip(flat.outputs, chain.result_slots, strict=True):
+        yield r.val if slot is None else slots[slot]
 
 
 def chain_jaxpr(chain: Callable, flat: FlatProgram, input_kinds: Sequence[str]) -> jc.ClosedJaxpr:
@@ -366,74 +381,37 @@ def _cost(compiled: Any) -> SegmentCost:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SegmentRun:
-    """One segment as the executor runs it, with the transfers and waits around it.
+class ExecutableChain:
+    """A chain (``schedule.chain.Chain``) with what running it takes on JAX's side, all made once
+    per plan so that the executor (``transforms.execute``) decodes nothing per call."""
 
-    Values live in slots: buffer ``b``'s device copy in slot ``b``, its host copy in slot
-    ``b + Chain.host_offset``. Around the launch, in order: wait for ``waits`` (host slots: offloads
-    whose device memory the launch needs), copy ``prefetches`` (buffers) to the device in one
-    batch (one ``device_put`` of many arrays costs a fraction of one call per array), drop
-    ``dropped_after_prefetches`` (host slots the waits or prefetches read for the last time), launch ``program`` on the
-    ``inputs`` slots (``donated`` per input) into the ``outputs`` slots, drop ``dropped_after_launch``
-    (device slots read for the last time), then copy ``offloads`` (buffers) to host in one batch, dropping each
-    one's device copy where ``dropped_after_offload`` says it was its last use.
-    """
-
-    index: int
-    program: Any
-    cost: SegmentCost
-    waits: tuple[int, ...]
-    prefetches: tuple[int, ...]
-    dropped_after_prefetches: tuple[int, ...]
-    inputs: tuple[int, ...]
-    donated: tuple[bool, ...]
-    outputs: tuple[int, ...]
-    dropped_after_launch: tuple[int, ...]
-    offloads: tuple[int, ...]
-    dropped_after_offload: tuple[bool, ...]
-    literals: tuple[Any, ...]  # device arrays passed after the inputs (``segment_literals``)
-    prefetch_bytes: int  # what the prefetches allocate on the device
-    names: tuple[str, str, str]  # of its waits, prefetches and offloads: ``oocjax.offload(<value>, ...)``
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Chain:
-    """A planned step as the executor runs it: its segments in order, and where the step's
-    arguments, constants and results live (slots, as in ``SegmentRun``)."""
-
-    runs: tuple[SegmentRun, ...]
-    host_offset: int
-    argument_slots: tuple[int, ...]
+    chain: Chain
+    programs: tuple[Any, ...]  # per segment, its compiled program
+    costs: tuple[SegmentCost, ...]  # per segment
+    literals: tuple[tuple[Any, ...], ...]  # per segment, device arrays passed after its inputs
+    names: tuple[str, ...]  # per operation, for profiles: ``oocjax.offload(<value>, ...)``, ``segment_3``
     constants: tuple[tuple[int, Any], ...]  # (slot, value)
-    results: tuple[Any, ...]  # per result of the step: its slot, or a ``Literal``
+    result_literals: tuple[Any, ...]  # per result of the step: its value where it is a literal
     slot_bytes: tuple[int, ...]  # per slot, the device bytes of its value, per device (0 for host slots)
     shardings: tuple[Any, ...] | None = None  # on a mesh: per buffer, its device sharding
 
-    @property
-    def num_slots(self) -> int:
-        return 2 * self.host_offset
 
-
-def build_chain(
+def executable_chain(
     flat: FlatProgram,
-    schedule: Schedule,
-    segments: Sequence[Segment],
+    chain: Chain,
     programs: Sequence[Any],
     costs: Sequence[SegmentCost],
     labels: Sequence[str] = (),
     layout: Layout | None = None,
-) -> Chain:
-    """The records the executor runs: ``chain_function``'s order of waits, prefetches, launches and
-    offloads, with every slot's last use found once here rather than per call. With a ``layout``
-    (a mesh), sizes are per device, and constants and literals are placed on every device."""
-    host = len(flat.avals)
-    results = tuple(
-        r if isinstance(r, jc.Literal) else r + host if r in schedule.host_outputs else r for r in flat.outputs
-    )
-    last_reads = _last_reads(segments, host, {r for r in results if not isinstance(r, jc.Literal)})
+) -> ExecutableChain:
+    """The chain with its compiled ``programs`` (per segment). With a ``layout`` (a mesh), sizes
+    are per device, and constants and literals are placed on every device."""
 
-    def name(what: str, buffers: Sequence[int]) -> str:
-        return f"oocjax.{what}({', '.join(labels[b] if b < len(labels) else f'buffer {b}' for b in buffers)})"
+    def name(op: Operation) -> str:
+        if isinstance(op, Launch):
+            return f"segment_{op.segment}"
+        values = ", ".join(labels[b] if b < len(labels) else f"buffer {b}" for b in op.buffers)
+        return f"oocjax.{type(op).__name__.lower()}({values})"
 
     if layout is None:
         nbytes = [jc.nbytes(aval) for aval in flat.avals]
@@ -445,55 +423,17 @@ def build_chain(
         def place(values: Sequence[Any]) -> tuple[Any, ...]:
             return tuple(jax.device_put(x, layout.replicated) for x in values)
 
-    runs = tuple(
-        SegmentRun(
-            index=i,
-            program=program,
-            cost=cost,
-            waits=tuple(host + b for b in s.waits),
-            prefetches=s.prefetches,
-            dropped_after_prefetches=tuple(sorted(last[0] | last[1])),
-            inputs=s.inputs,
-            donated=_donated(s),
-            outputs=s.outputs,
-            dropped_after_launch=tuple(b for b in dict.fromkeys(s.inputs) if b in last[2]),
-            offloads=s.offloads,
-            dropped_after_offload=tuple(b in last[3] for b in s.offloads),
-            literals=place(segment_literals(flat, s)),
-            prefetch_bytes=sum(nbytes[b] for b in s.prefetches),
-            names=(name("wait", s.waits), name("prefetch", s.prefetches), name("offload", s.offloads)),
-        )
-        for i, (s, program, cost, last) in enumerate(zip(segments, programs, costs, last_reads, strict=True))
-    )
-    return Chain(
-        runs=runs,
-        host_offset=host,
-        argument_slots=tuple(b + host if b in schedule.host_inputs else b for b in range(flat.num_inputs)),
+    return ExecutableChain(
+        chain=chain,
+        programs=tuple(programs),
+        costs=tuple(costs),
+        literals=tuple(place(segment_literals(flat, s)) for s in chain.segments),
+        names=tuple(map(name, chain.operations)),
         constants=constants,
-        results=results,
+        result_literals=tuple(r.val if isinstance(r, jc.Literal) else None for r in flat.outputs),
         slot_bytes=(*nbytes, *(0 for _ in nbytes)),
         shardings=None if layout is None else layout.shardings,
     )
-
-
-def _last_reads(segments: Sequence[Segment], host: int, returned: set[int]) -> list[list[set[int]]]:
-    """Per segment, per phase (waits, prefetches, launch, offloads), the slots read for the last
-    time there, found walking the chain back from the slots the step returns."""
-    live, found = set(returned), []
-    for s in reversed(segments):
-        phases = [
-            ([host + b for b in s.waits], []),
-            ([host + b for b in s.prefetches], list(s.prefetches)),
-            (list(s.inputs), list(s.outputs)),
-            (list(s.offloads), [host + b for b in s.offloads]),
-        ]
-        last = []
-        for reads, writes in reversed(phases):
-            live.difference_update(writes)
-            last.append({r for r in reads if r not in live})
-            live.update(reads)
-        found.append(last[::-1])
-    return found[::-1]
 
 
 def _on_device(values: Sequence[Any]) -> tuple[Any, ...]:

@@ -15,7 +15,9 @@ import jax
 from oocjax.arguments import ArgumentSpec
 from oocjax.schedule import Program
 from oocjax.transforms import _compat as jc
-from oocjax.transforms.analyse import FlatProgram, flatten, to_program
+from oocjax.transforms.analyse import to_program
+from oocjax.transforms.flat import FlatProgram
+from oocjax.transforms.flatten import flatten
 from oocjax.transforms.shardings import Layout, check_one_mesh, is_sharded, per_device_sizes, step_layout
 
 

@@ -1,0 +1,37 @@
+"""``SettledPlan``: what planning settled on for one budget, the record a step's chain is built from.
+
+``pipeline.StepPlanner`` makes it (plan, cut, compile and measure until the budget holds) and builds
+the step from it; the plan cache (``oocjax.plan_cache``) keeps it, so that a later process builds
+the same step without planning or compiling again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from oocjax.schedule import Program, Schedule
+from oocjax.schedule.hybrid import HybridPlan
+from oocjax.schedule.segments import Segment, SegmentCost
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SettledPlan:
+    """A plan that holds its budget.
+
+    Attributes:
+      choice: the first plan of the budget (``schedule.plan_hybrid``): swap only, or recompute and
+        swap; its ``rewrite`` says which values the step recomputes.
+      program, schedule: the program as last planned (with the scratch its compiled segments
+        measured) and its schedule.
+      segments: the chain of segments the step runs as; empty when it runs as ``jax.jit``'s one program.
+      costs: per segment, its compiled program's own memory.
+      attempts: the executed peak measured for each plan made, in order.
+      peak: the chain's executed peak from those measurements (0 without segments).
+    """
+
+    choice: HybridPlan
+    program: Program
+    schedule: Schedule
+    segments: tuple[Segment, ...] = ()
+    costs: tuple[SegmentCost, ...] = ()
+    attempts: tuple[int, ...] = ()
+    peak: int = 0
