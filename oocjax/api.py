@@ -107,6 +107,7 @@ class OocJitted:
         self.options = options
         self._traces: dict[Any, TracedStep] = {}  # per signature
         self._planners: dict[Any, StepPlanner] = {}  # per signature and arguments held by the caller
+        self._calls: dict[Any, tuple[TracedStep, StepPlanner]] = {}  # per ``ArgumentSpec.call_key``
         # One call at a time per step: a plan holds the budget for one call, and what one call
         # leaves in flight is counted by the next; two calls at once would each take the budget.
         # Different steps have their own locks, and their budgets do not add up.
@@ -132,7 +133,12 @@ class OocJitted:
         return self._jitted(*args, **kwargs)
 
     def _call(self, args: tuple, kwargs: dict, leaves: list) -> Any:
-        traced, planner = self._entry(args, kwargs, leaves)
+        key = self.arguments.call_key(args, kwargs, leaves)  # None where a leaf is not an array
+        if (found := self._calls.get(key)) is None:
+            found = self._entry(args, kwargs, leaves)
+            if key is not None:
+                self._calls[key] = found
+        traced, planner = found
         built = planner.built
         # As jax.jit does, a successful call deletes every donated argument, except one the step
         # returns as it is; until then, a failed or interrupted call leaves those not yet consumed intact.

@@ -45,10 +45,7 @@ class ArgumentSpec:
         """What a compiled step is cached under: static values (by name where the function names
         them, so ``f(x, 3)`` and ``f(x, n=3)`` share one plan), the dynamic tree, its types and,
         for leaves placed on several devices, their layouts (another layout, another plan)."""
-        names = self.parameters
-        statics = {names[i] if i < len(names) else i: args[i] for i in self.static_argnums if i < len(args)}
-        statics |= {k: v for k, v in kwargs.items() if k in self.static_argnames}
-        key = tuple(sorted(statics.items(), key=lambda item: str(item[0])))
+        key = self._statics(args, kwargs)
         try:
             hash(key)
         except TypeError as error:
@@ -64,6 +61,25 @@ class ArgumentSpec:
         except TypeError:
             self._refuse_non_array(args, kwargs)
             raise
+
+    def call_key(self, args: tuple, kwargs: dict, leaves: list) -> Hashable | None:
+        """A key finer than ``signature`` and cheaper to make, for calls whose dynamic ``leaves`` are
+        all jax arrays (None otherwise, or with an unhashable static): each leaf's type and sharding
+        (memory kind included), read off the array, where ``signature`` derives types and layouts
+        leaf by leaf (1.3 ms against 0.2 ms for 787 leaves on this project's 2-core CPU). Equal keys
+        have equal signatures and the same leaves in host memory."""
+        statics = self._statics(args, kwargs)
+        if not all(isinstance(x, jax.Array) for x in leaves) or not _hashable(statics):
+            return None
+        types = tuple((x.aval, x.sharding) for x in leaves)
+        return statics, jax.tree.structure(self.dynamic(args, kwargs)), types, _context_mesh()
+
+    def _statics(self, args: tuple, kwargs: dict) -> tuple:
+        """The static arguments, by name where the function names them."""
+        names = self.parameters
+        statics = {names[i] if i < len(names) else i: args[i] for i in self.static_argnums if i < len(args)}
+        statics |= {k: v for k, v in kwargs.items() if k in self.static_argnames}
+        return tuple(sorted(statics.items(), key=lambda item: str(item[0])))
 
     def _refuse_non_array(self, args: tuple, kwargs: dict) -> None:
         """Raises jax.jit's error for the first leaf that is not an array, named by its path."""

@@ -119,9 +119,10 @@ class ChainExecutor:
             for slot, x in executable.constants:
                 slots[slot] = x
                 memory.hold(x, _device_bytes(x), owned=False)
+            # The arguments are where the plan wants them (a host slot holds no device bytes).
             for slot, x, mine in zip(chain.argument_slots, arguments, owned, strict=True):
                 slots[slot] = x
-                memory.hold(x, _device_bytes(x), owned=mine)
+                memory.hold(x, executable.slot_bytes[slot], owned=mine)
             arguments.clear()
             memory.count_foreign()
             for op, name in zip(chain.operations, executable.names, strict=True):
