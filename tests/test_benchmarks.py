@@ -197,6 +197,13 @@ def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path):
     assert all(r["solo_s"] > 0 and r["flops_per_s"] >= 0 for r in rows)
     assert 0 < record["distinct_programs"] < len(rows)  # the dry run's alike layers share programs
     assert all(record[k] > 0 for k in ("jit_s", "ooc_s", "ooc_gate_off_s", "ooc_no_waits_s", "back_to_back_s"))
+    # Issue 30's figures: the executor's host waits, the time to its first launch, per-block remat
+    # and ooc_jit at remat's own peak and below it.
+    assert record["host_waits_per_step"] >= 0 and record["blocked_s_per_step"] >= 0
+    assert 0 < record["first_launch_s"] < record["ooc_s"] and record["argument_leaves"] > 10
+    assert record["remat_s"] > 0 and record["remat_peak_bytes"] > 0
+    assert [row["fraction"] for row in record["at_remat_peak"]] == [1.0, 0.9, 0.8]
+    assert all(row.get("s_per_step", 0) > 0 or "infeasible" in row for row in record["at_remat_peak"])
 
 
 @pytest.mark.slow  # 36 s on 2 loaded CPU cores

@@ -59,6 +59,7 @@ def assert_moves_or_recomputes_within(plan, budget: int) -> None:
     assert plan.segments and plan.peak_bytes <= budget and plan.executed_peak_bytes <= budget, plan
 
 
+@pytest.mark.slow  # 23-29 s on this project's 2-core CPU
 def test_the_resnet_example_updates_batch_stats_like_jax_jit_at_a_budget_that_recomputes_or_moves_values():
     learning_rate_fn = train_resnet.create_learning_rate_fn(0.1, warmup_steps=1, total_steps=STEPS)
     state = train_resnet.create_train_state(jax.random.key(0), train_resnet.create_model(), learning_rate_fn)
@@ -76,6 +77,7 @@ def test_the_resnet_example_updates_batch_stats_like_jax_jit_at_a_budget_that_re
     assert_trains_like_jax_jit(train(step, fresh(state), batches), expected)
 
 
+@pytest.mark.slow  # 23-29 s on this project's 2-core CPU
 def test_the_language_model_example_draws_the_same_dropout_masks_as_jax_jit_at_a_budget_that_recomputes_or_moves():
     learning_rate_fn = train_lm.create_learning_rate_schedule(3e-3, warmup_steps=1)
     init_key, dropout_rng = jax.random.split(jax.random.key(0))

@@ -26,6 +26,7 @@ what the launch allocates is over the budget, until nothing is left to wait on.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -84,6 +85,7 @@ class DeviceMemory:
         self.start_call()
 
     def start_call(self) -> None:
+        self.waits, self.blocked_s = 0, 0.0  # of this call: host waits on the device, and their time
         self.held = 0
         self.references: dict[int, list[int]] = {}  # id(array) -> [slots naming it, its device bytes]
         self.owned: set[int] = set()  # ids of arrays the executor made (not arguments or constants)
@@ -167,7 +169,7 @@ class DeviceMemory:
             if self.pending:
                 self._wait_oldest()
             elif self.latest_launch is not None and not self.stream_ordered:
-                _wait(self.latest_launch)  # its outputs' and the released arrays' frees happen after it
+                self.block(self.latest_launch)  # its outputs' and the released arrays' frees happen after it
                 self.latest_launch = None
             else:
                 return  # nothing left to wait on
@@ -189,8 +191,17 @@ class DeviceMemory:
         while self.pending and _finished(self.pending[0][0]):
             self._forget_oldest()
 
+    def block(self, probe: Any) -> None:
+        """Waits for ``probe`` (counted in ``waits`` and ``blocked_s`` where it was not ready)."""
+        if _finished(probe):
+            return
+        started = time.perf_counter()
+        _wait(probe)
+        self.waits += 1
+        self.blocked_s += time.perf_counter() - started
+
     def _wait_oldest(self) -> None:
-        _wait(self.pending[0][0])
+        self.block(self.pending[0][0])
         self._forget_oldest()
 
     def _forget_oldest(self) -> None:

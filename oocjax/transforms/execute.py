@@ -144,7 +144,7 @@ class ChainExecutor:
         host = self.chain.host_offset
         with jax.profiler.TraceAnnotation(name):
             for b in op.buffers:
-                slots[b + host].block_until_ready()
+                self.memory.block(slots[b + host])
         for slot in op.dropped:
             slots[slot] = None
 
