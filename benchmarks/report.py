@@ -165,6 +165,9 @@ def section() -> str:
     homes = sorted(RESULTS.glob("state_homes_model-*.json"))
     if homes:
         lines += _state_homes_lines([(f.name, json.loads(f.read_text())) for f in homes])
+    offload = sorted(RESULTS.glob("state_offload-*.json"))
+    if offload:
+        lines += _state_offload_lines([(f.name, json.loads(f.read_text())) for f in offload])
     found = latest("simulated")
     if found:
         name, r = found
@@ -407,6 +410,32 @@ def _state_homes_lines(records: list[tuple[str, dict]]) -> list[str]:
             for row in r["rows"]
         )
         lines += [f"- `{name}` ({where(r)}): {cells}.", ""]
+    return lines
+
+
+def _state_offload_lines(records: list[tuple[str, dict]]) -> list[str]:
+    """One sentence per ``state_offload`` file: the 1.34B GPT planned for an H200 (plan only, on this CPU)."""
+    lines = [
+        "**Training state larger than the device, planned** (`benchmarks/state_offload.py`; plans only, made on "
+        "a CPU with the H200's published rates and nothing compiled: not a GPU measurement): the 1.34B GPT "
+        "(24 layers, width 2048, f32 AdamW state 15 GiB), state donated; per step, bytes to the device and back "
+        "against the floor (the host-kept state once each way), segments per layer, host peak against the "
+        "host-kept state.",
+        "",
+    ]
+    for name, r in records:
+        cells = []
+        for row in r["rows"]:
+            case = f"{'scan' if row['scan'] else 'loop'} at {row['budget_bytes'] / 2**30:.0f} GiB"
+            if "infeasible" in row:
+                cells.append(f"{case}: infeasible ({row['infeasible']})")
+                continue
+            cells.append(
+                f"{case}: to the device {row['to_device_bytes'] / 2**30:.1f} GiB ({row['to_device_vs_floor']:.2f}x), "
+                f"back {row['back_bytes'] / 2**30:.1f} GiB ({row['back_vs_floor']:.2f}x), "
+                f"{row['segments_per_layer']:.1f} segments per layer, host peak {row['host_peak_vs_kept']:.2f}x"
+            )
+        lines += [f"- `{name}` ({r['order']}; {where(r)}): {'; '.join(cells)}.", ""]
     return lines
 
 

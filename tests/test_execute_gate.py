@@ -217,7 +217,11 @@ def test_a_real_step_takes_what_the_allocator_has_in_use_beyond_its_account_when
     allocator = Allocator(4 * budget)  # the caller's other arrays: 4 budgets, before and throughout
     monkeypatch.setattr(execute, "allocator_reader", lambda device: allocator)
     gated, launches, _ = run_two_steps(*real_step)
-    assert all(3 * budget <= launch.foreign_bytes <= 4 * budget for launch in launches)
+    # Foreign: the 4 budgets less what the executor holds when a call starts (its arguments, within
+    # the budget) and what it let go of that is still in flight from the call before (within the
+    # budget too; more of it on a loaded machine).
+    assert all(2 * budget <= launch.foreign_bytes <= 4 * budget for launch in launches)
+    assert launches[0].foreign_bytes >= 3 * budget  # the first call: nothing in flight yet
     for a, b in zip(gated, plain, strict=True):
         np.testing.assert_array_equal(a, b)
 

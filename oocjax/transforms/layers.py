@@ -46,7 +46,7 @@ def layer_runs(flat: FlatProgram) -> tuple[tuple[int, int, str], ...]:
     residual add, a recomputed copy) are part of it, those after a pass's last layer (the loss,
     the optimizer) are not. Passes where no name stack names layers are searched by structure
     (their kind is ``"layer"``)."""
-    phases = _phases(flat)
+    phases = equation_phases(flat)
     named = _alike_only(flat, _named_runs(flat, phases))
     runs = list(named)
     for start, stop, phase in _phase_ranges(phases):
@@ -73,9 +73,11 @@ def _owners(flat: FlatProgram, runs: Sequence[tuple[int, int, str]]) -> dict[int
 # -- Passes ---------------------------------------------------------------------------------------
 
 
-def _phases(flat: FlatProgram) -> list[str]:
+def equation_phases(flat: FlatProgram) -> list[str]:
     """Per equation: ``"forward"`` under ``jvp(...)``, ``"transpose"`` under ``transpose(...)``, else
-    ``""``. A recomputed copy belongs to the pass it runs in (the equation before it)."""
+    ``""``. A recomputed copy belongs to the pass it runs in (the equation before it), and so does
+    an equation of no pass between two of the backward's (an optimizer update moved next to its
+    gradient, ``transforms.reorder``)."""
     phases: list[str] = []
     for fe in flat.equations:
         if fe.recompute_of is not None and phases:
@@ -83,6 +85,9 @@ def _phases(flat: FlatProgram) -> list[str]:
             continue
         head = str(fe.eqn.source_info.name_stack).split("/", 1)[0]
         phases.append("transpose" if head.startswith("transpose(") else "forward" if head.startswith("jvp(") else "")
+    backward = [k for k, phase in enumerate(phases) if phase == "transpose"]
+    if backward:
+        phases[backward[0] : backward[-1]] = [phase or "transpose" for phase in phases[backward[0] : backward[-1]]]
     return phases
 
 

@@ -1,0 +1,167 @@
+"""Training state larger than the device, planned for a GPU on this CPU: bytes moved against the floor.
+
+The project's GPT (``examples.models.Transformer``) with unmodified ``optax.adamw`` and f32 state,
+its blocks in a Python loop and in an ``nn.scan``, at GPU budgets, planned as ``ooc_jit`` plans it
+on a GPU: the step traced over abstract arguments (nothing is allocated), its state donated, the
+H200's published rates for the recompute-or-move choice, the GPU's defaults for the smallest
+segment (``min_segment_flops``) and the headroom (8%), and ample host memory. Nothing is compiled:
+each segment's memory is the planner's own estimate (a GPU run measures it and may plan again).
+
+Per case it prints what a step moves against the floor, where the floor is each byte of the state
+kept in host memory once each way (to the device: the host-kept state; back: the state returned to
+host), the segments per layer, and the host peak against the host-kept state. Issue 31's targets
+(to the device at most 1.5x the floor at 4 GiB and 1.3x at 14 GiB, back 1.3x and 1.2x, at most 4
+segments per layer, a host peak at most 1.2x) are printed beside each figure.
+
+    python benchmarks/state_offload.py --out benchmarks/results/state_offload-plan-<date>.json
+    python benchmarks/state_offload.py --dry-run     # a small GPT at scaled budgets: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+if __package__ in (None, ""):  # run as ``python benchmarks/state_offload.py``: put the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._machine import machine
+from examples.models import Transformer, next_token_step
+from oocjax import BudgetInfeasibleError, ooc_jit
+from oocjax import pipeline as pipeline_module
+from oocjax.schedule import PROFILES
+from oocjax.schedule.segments import SegmentCost
+from oocjax.transforms import trace as trace_module
+
+GIB = 2**30
+MODEL = dict(layers=24, width=2048, heads=16, vocab=32000, batch=8, seq=1024)  # 1.34B parameters
+DRY_MODEL = dict(layers=4, width=512, heads=8, vocab=1024, batch=1, seq=32)  # state-dominated, as the GPU case
+BUDGETS_GIB = (4, 14)
+TARGETS = {4: dict(to_device=1.5, back=1.3), 14: dict(to_device=1.3, back=1.2)}
+SEGMENTS_PER_LAYER, HOST_PEAK = 4, 1.2
+GPU_OPTIONS = dict(min_segment_flops=4 * 10**11, min_offload_bytes=2**20, host_budget="4TiB")
+
+
+def estimated_costs(flat, segments, functions, cache=None, layout=None):
+    """``compile_segments`` without compiling: each segment's scratch is what the planner estimated
+    for it beyond its arguments and results (a GPU run measures it instead)."""
+    costs = []
+    for s in segments:
+        outputs = sum(math.prod(flat.avals[b].shape) * flat.avals[b].dtype.itemsize for b in s.outputs)
+        scratch = max(0, s.estimate_bytes - s.held_bytes - outputs)
+        costs.append(SegmentCost(temp_bytes=scratch, output_bytes=outputs, alias_bytes=0))
+    return [None] * len(segments), costs
+
+
+def abstract_case(model: dict, scan: bool):
+    """The step and its abstract arguments: the state (parameters and AdamW's moments) and a batch."""
+    gpt = Transformer(
+        vocab=model["vocab"], width=model["width"], heads=model["heads"], layers=model["layers"], causal=True, scan=scan
+    )
+    optimizer = optax.adamw(1e-4)
+    tokens = jax.ShapeDtypeStruct((model["batch"], model["seq"] + 1), jnp.int32)
+    params = jax.eval_shape(gpt.init, jax.random.key(0), jnp.zeros((1, model["seq"]), jnp.int32))
+    state = (params, jax.eval_shape(optimizer.init, params))
+    return next_token_step(gpt, optimizer), state, tokens
+
+
+def plan_case(model: dict, scan: bool, budget_bytes: int) -> dict:
+    step_fn, state, tokens = abstract_case(model, scan)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+    headroom = int(0.08 * budget_bytes)
+    started = time.perf_counter()
+    step = ooc_jit(step_fn, budget=budget_bytes, donate_argnums=(0,), headroom_bytes=headroom, **GPU_OPTIONS)
+    try:
+        plan = step.plan(state, tokens)
+    except BudgetInfeasibleError as error:
+        return dict(scan=scan, budget_bytes=budget_bytes, state_bytes=state_bytes, infeasible=str(error).split("\n")[0])
+    seconds = time.perf_counter() - started
+    buffers = plan.program.buffers
+    floor_in = sum(buffers[b].nbytes for b in plan.schedule.host_inputs)
+    floor_out = sum(buffers[b].nbytes for b in plan.schedule.host_outputs)
+    timeline = plan.timeline
+    return dict(
+        scan=scan,
+        budget_bytes=budget_bytes,
+        state_bytes=state_bytes,
+        host_kept_bytes=floor_in,
+        returned_to_host_bytes=floor_out,
+        to_device_bytes=timeline.h2d_bytes,
+        back_bytes=timeline.d2h_bytes,
+        to_device_vs_floor=timeline.h2d_bytes / floor_in if floor_in else None,
+        back_vs_floor=timeline.d2h_bytes / floor_out if floor_out else None,
+        segments=len(plan.segments),
+        segments_per_layer=len(plan.segments) / model["layers"],
+        host_peak_bytes=plan.host_peak_bytes,
+        host_peak_vs_kept=plan.host_peak_bytes / floor_in if floor_in else None,
+        recomputed=len(plan.recomputed),
+        plan_seconds=seconds,
+    )
+
+
+def show(row: dict, targets: dict | None) -> None:
+    name = f"{'scan' if row['scan'] else 'loop'} at {row['budget_bytes'] / GIB:.3g} GiB"
+    if "infeasible" in row:
+        print(f"{name}: infeasible: {row['infeasible']}")
+        return
+    target = targets or {}
+
+    def ratio(key: str, limit: float | None) -> str:
+        value = row[key]
+        shown = "-" if value is None else f"{value:.2f}x"
+        return shown + (f" (target <= {limit}x)" if limit else "")
+
+    print(
+        f"{name}: state {row['state_bytes'] / GIB:.2f} GiB, {row['host_kept_bytes'] / GIB:.2f} GiB kept on host; "
+        f"to the device {row['to_device_bytes'] / GIB:.2f} GiB = {ratio('to_device_vs_floor', target.get('to_device'))}"
+        f" the floor, back {row['back_bytes'] / GIB:.2f} GiB = {ratio('back_vs_floor', target.get('back'))}; "
+        f"{row['segments']} segments = {row['segments_per_layer']:.1f} per layer (target <= {SEGMENTS_PER_LAYER}); "
+        f"host peak {ratio('host_peak_vs_kept', HOST_PEAK)} the host-kept state; "
+        f"{row['recomputed']} values recomputed; planned in {row['plan_seconds']:.0f} s",
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="a small GPT at budgets scaled to its state")
+    parser.add_argument("--variants", default="loop,scan")
+    parser.add_argument("--traced-order", action="store_true", help="keep the optimizer's updates at the end")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    model = DRY_MODEL if args.dry_run else MODEL
+    # Planned as on a GPU: the H200's rates, and compiling nothing (see ``estimated_costs``).
+    pipeline_module.measure_profile = lambda: PROFILES["h200"]
+    pipeline_module.compile_segments = estimated_costs
+    if args.traced_order:  # the comparison: every update after the whole backward pass, as traced
+        trace_module.updates_after_gradients = lambda flat, donated, budget_bytes: flat
+    rows = []
+    for scan in [variant == "scan" for variant in args.variants.split(",")]:
+        for gib in BUDGETS_GIB:
+            if args.dry_run:  # the GPU case's ratio of state to budget
+                _, state, _ = abstract_case(model, scan)
+                _, full, _ = abstract_case(MODEL, scan)
+                ratio = sum(x.size for x in jax.tree.leaves(full)) * 12 / (gib * GIB)  # f32 AdamW: 12 B a parameter
+                budget = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)) / ratio)
+            else:
+                budget = gib * GIB
+            rows.append(plan_case(model, scan, budget))
+            show(rows[-1], TARGETS[gib])
+    if args.out:
+        out = Path(args.out)
+        order = "traced" if args.traced_order else "updates after gradients"
+        record = dict(benchmark="state_offload", model=model, optimizer="adamw f32", profile="h200", order=order)
+        record["rows"] = rows
+        out.write_text(json.dumps(record | machine(), indent=1) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

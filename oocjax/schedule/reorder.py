@@ -1,0 +1,62 @@
+"""Each parameter's update right after its last gradient: the order of a step's tail.
+
+A training step traced from ``optax`` updates every parameter after the whole backward pass: the
+gradients of the first layers are made last, so the optimizer's equations wait for them all, and
+every gradient, parameter and moment is alive together at the end. Any order that keeps each
+equation after the equations it reads computes the same values, so the tail (the equations after
+the backward pass) can be interleaved with it: each tail equation placed right after the last
+equation it depends on. A layer's update then follows that layer's gradient, and the updated
+parameter and moments can leave the device at once.
+
+A tail equation also follows every earlier use of what it reads: an update then comes after the
+backward's last read of the parameter it replaces, so that the new one can take its memory.
+
+A tail equation that depends on nothing the backward pass makes (the step count, a learning-rate
+schedule, weight decay's ``decay * param``) goes right before its first user, not to the start:
+there it would hold a parameter-sized value through the whole backward pass. Where an update needs
+every gradient (clipping by global norm), it depends on the last one, and stays at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def updates_early(
+    reads: Sequence[Sequence[int]], writes: Sequence[Sequence[int]], tail_start: int, backward_start: int
+) -> list[int]:
+    """The positions of the equations in their new order: equations ``tail_start ..`` each placed
+    right after the last equation before ``tail_start`` it depends on (directly or through other
+    tail equations) or that uses what it reads, and not before ``backward_start``; the rest keep
+    their order.
+
+    >>> # f, g; b1 (its input's gradient 3, its weight's 4), b0 (its weight's 5); the updates of 4 and 5
+    >>> reads = [[0], [1], [2], [3], [4, 9], [5, 9]]
+    >>> writes = [[1], [2], [3, 4], [5], [6], [7]]
+    >>> updates_early(reads, writes, tail_start=4, backward_start=2)
+    [0, 1, 2, 4, 3, 5]
+    """
+    n = len(reads)
+    defined_at = {b: k for k in range(tail_start) for b in writes[k]}
+    # The last use before the tail of each buffer: a tail equation goes after it too, so that an
+    # update that writes a new parameter over the old one comes after every other read of the old.
+    last_use = {b: k for k in range(tail_start) for b in (*reads[k], *writes[k])}
+    anchor: dict[int, int] = {}  # tail equation -> the equation before the tail it goes after
+    independent: list[int] = []
+    for k in range(tail_start, n):
+        needs = max((anchor.get(defined_at.get(b, -1), defined_at.get(b, -1)) for b in reads[k]), default=-1)
+        if needs < backward_start:  # reads nothing the backward pass makes: placed before its first user
+            independent.append(k)
+        anchor[k] = max([needs, *(last_use.get(b, -1) for b in reads[k])])
+        defined_at.update((b, k) for b in writes[k])
+    users: dict[int, list[int]] = {}
+    for k in range(tail_start, n):
+        for b in reads[k]:
+            d = defined_at.get(b, -1)
+            if d >= tail_start:
+                users.setdefault(d, []).append(k)
+    for k in reversed(independent):
+        placed = [anchor[u] for u in users.get(k, ()) if anchor[u] >= backward_start]
+        anchor[k] = min(placed, default=tail_start - 1)
+    # Stable: equations with one anchor keep their order, and each follows what it reads.
+    return sorted(range(n), key=lambda k: (anchor.get(k, k), k >= tail_start, k))

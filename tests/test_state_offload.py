@@ -1,0 +1,89 @@
+"""Training state larger than the budget: a GPT whose parameters and AdamW moments are three times
+the budget trains as under ``jax.jit``, within the budget, moving what its plan says; its updates
+follow their gradients, which moves less than the traced order."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import oocjax.transforms.trace as trace_module
+from examples.models import Transformer, next_token_step
+from oocjax import ooc_jit, pipeline
+from oocjax.transforms import execute
+
+pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+
+
+def gpt_case():
+    """3 layers of width 128 (state 7.2 MiB with AdamW), a batch small enough for a third of that."""
+    model = Transformer(vocab=128, width=128, heads=4, layers=3, causal=True)
+    optimizer = optax.adamw(1e-3)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 128)
+    params = model.init(jax.random.key(0), tokens[:, :-1])
+    state = (params, optimizer.init(params))
+    return next_token_step(model, optimizer), state, tokens
+
+
+def state_bytes(state) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def moved_bytes_counted(monkeypatch) -> dict:
+    """Every transfer the executor makes, in bytes, by the memory it goes to."""
+    moved, put = {"device": 0, "pinned_host": 0}, execute.put
+
+    def counted(values, target):
+        copies = put(values, target)
+        for copy in copies:
+            moved[copy.sharding.memory_kind] += copy.nbytes
+        return copies
+
+    monkeypatch.setattr(execute, "put", counted)
+    return moved
+
+
+def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_it(monkeypatch):
+    step, state, tokens = gpt_case()
+    budget = state_bytes(state) // 3
+    ooc = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096)
+    plan = ooc.plan(state, tokens)
+    assert plan.executed_peak_bytes <= budget and plan.host_inputs
+    moved = moved_bytes_counted(monkeypatch)
+    expected, carried = [], jax.tree.map(lambda x: x.copy(), state)
+    jitted = jax.jit(step)
+    for _ in range(2):
+        state, loss = jitted(state, tokens)
+        expected.append(loss)
+    losses = []
+    for _ in range(2):
+        carried, loss = ooc(carried, tokens)
+        losses.append(loss)
+    np.testing.assert_allclose(losses, expected, rtol=2e-5)
+    assert moved == {"device": 2 * plan.timeline.h2d_bytes, "pinned_host": 2 * plan.timeline.d2h_bytes}
+
+
+def test_updates_moved_next_to_their_gradients_move_less_than_the_traced_order(monkeypatch):
+    from benchmarks.state_offload import estimated_costs
+
+    monkeypatch.setattr(pipeline, "compile_segments", estimated_costs)  # plans alone: nothing to compile
+    step, state, tokens = gpt_case()
+    budget = state_bytes(state) // 3
+    early = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096).plan(state, tokens)
+    monkeypatch.setattr(trace_module, "updates_after_gradients", lambda flat, donated, budget_bytes: flat)
+    traced = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096).plan(state, tokens)
+    assert early.timeline.h2d_bytes < traced.timeline.h2d_bytes
+    assert early.timeline.d2h_bytes <= traced.timeline.d2h_bytes
+
+
+def test_the_state_offload_benchmark_plans_a_small_gpt_with_the_floor_under_every_figure(monkeypatch):
+    from benchmarks import state_offload
+
+    monkeypatch.setattr(pipeline, "compile_segments", state_offload.estimated_costs)
+    model = state_offload.DRY_MODEL
+    _, state, _ = state_offload.abstract_case(model, scan=False)
+    row = state_offload.plan_case(model, False, int(state_bytes(state) / 1.05))
+    assert row["host_kept_bytes"] > 0 and row["to_device_bytes"] >= row["host_kept_bytes"]
+    assert row["back_bytes"] >= row["returned_to_host_bytes"] > 0
+    assert row["segments_per_layer"] == row["segments"] / model["layers"] > 0
+    assert row["host_peak_bytes"] >= row["host_kept_bytes"]
