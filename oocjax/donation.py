@@ -36,6 +36,6 @@ def consumed_note(traced: TracedStep, consumed: Sequence[int]) -> str:
     names = [traced.program.buffers[i].label.removeprefix("argument ") for i in consumed]
     shown = ", ".join(names)  # every one: the caller must know exactly which leaves to rebuild
     return (
-        f"oocjax: the failed call had already consumed {len(names)} donated argument(s) kept in device memory; "
-        f"their buffers are gone: {shown}. Donated arguments kept in host memory are intact."
+        f"oocjax: the failed call had already consumed {len(names)} donated argument(s); "
+        f"their buffers are gone: {shown}. The other donated arguments are intact."
     )

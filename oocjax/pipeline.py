@@ -36,6 +36,7 @@ from oocjax.schedule import Program, Schedule, format_bytes, plan_window, requir
 from oocjax.schedule.chain import check_segments
 from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
 from oocjax.schedule.segments import cut_segments, executed_peak, with_measured_scratch
+from oocjax.schedule.simulate import frees_host_state_early
 from oocjax.settled import SettledPlan
 from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.execute import ChainExecutor
@@ -233,7 +234,8 @@ class StepPlanner:
         layout = _layout(traced, rewrite)
         functions = functions or tuple(segment_functions(flat, segments, labels, layout))
         measured = dict(segments=segments, segment_costs=costs, executed_peak_bytes=peak)
-        chain = flat_chain(flat, schedule, segments)  # one value: what runs is what is shown
+        given_up = traced.donated if frees_host_state_early(program, schedule) else ()
+        chain = flat_chain(flat, schedule, segments, given_up)  # one value: what runs is what is shown
         shown = functools.partial(
             chain_jaxpr, chain_function(flat, chain, functions, labels), flat, described["input_kinds"]
         )

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_device, to_host
@@ -32,6 +33,7 @@ def test_a_remat_block_is_planned_through_not_held_as_one_operation():
     assert len(plan.program.steps) > len(plain.program.steps)
 
 
+@pytest.mark.slow  # 11 s here
 def test_a_decoder_of_remat_blocks_trains_like_jax_jit_at_35_percent_within_the_budget():
     step, state, tokens = adamw_step()
     trains_like_jax_jit_within(step, state, tokens, 0.35)

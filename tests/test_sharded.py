@@ -34,6 +34,7 @@ def measured(layout: str) -> dict:
     return report
 
 
+@pytest.mark.slow  # 44 s for the four layouts on this project's 2-core CPU
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_at_the_in_core_estimate_a_sharded_step_is_jax_jits_program_bitwise(layout):
     run = measured(layout)["fractions"]["1.0"]

@@ -9,8 +9,10 @@ import pytest
 
 import oocjax.transforms.trace as trace_module
 from examples.models import Transformer, next_token_step
-from oocjax import ooc_jit, pipeline
+from oocjax import ooc_jit, pipeline, to_host
+from oocjax.schedule.chain import Prefetch, chain_of
 from oocjax.transforms import execute
+from oocjax.transforms.execute import observe_segments
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -43,6 +45,7 @@ def moved_bytes_counted(monkeypatch) -> dict:
     return moved
 
 
+@pytest.mark.slow  # 13 s here
 def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_it(monkeypatch):
     step, state, tokens = gpt_case()
     budget = state_bytes(state) // 3
@@ -87,3 +90,27 @@ def test_the_state_offload_benchmark_plans_a_small_gpt_with_the_floor_under_ever
     assert row["back_bytes"] >= row["returned_to_host_bytes"] > 0
     assert row["segments_per_layer"] == row["segments"] / model["layers"] > 0
     assert row["host_peak_bytes"] >= row["host_kept_bytes"]
+
+
+def test_donated_state_on_host_is_deleted_at_its_last_prefetch_and_the_plan_counts_it_gone():
+    step, state, tokens = gpt_case()
+    kept_bytes = state_bytes(state)
+    host_state = to_host(jax.tree.map(lambda x: x.copy(), state))
+    ooc = ooc_jit(step, budget=kept_bytes // 3, donate_argnums=(0,), min_offload_bytes=4096)
+    plan = ooc.plan(host_state, tokens)
+    chain = chain_of(plan.program, plan.schedule, plan.segments)
+    deleted_in = {
+        slot - chain.host_offset: op.segment
+        for op in chain.operations
+        if isinstance(op, Prefetch)
+        for slot in op.deleted
+    }
+    leaves, seen = jax.tree.leaves((host_state, tokens)), []
+    assert sum(leaves[a].nbytes for a in deleted_in) > kept_bytes // 2  # most of the old state goes during the step
+    order = sorted(deleted_in)
+    with observe_segments(lambda launch: seen.append((launch.segment, [leaves[a].is_deleted() for a in order]))):
+        ooc(host_state, tokens)
+    for segment, deleted in seen:
+        assert deleted == [deleted_in[a] <= segment for a in order], segment
+    # Old state leaves host as new state arrives: the host holds little more than one state.
+    assert plan.host_peak_bytes <= 1.3 * kept_bytes

@@ -22,7 +22,7 @@ from itertools import groupby
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from oocjax.schedule.simulate import Violation
+from oocjax.schedule.simulate import Violation, frees_host_state_early
 
 if TYPE_CHECKING:
     from oocjax.schedule.moves import Schedule
@@ -46,6 +46,9 @@ class Prefetch:
     segment: int
     buffers: tuple[int, ...]
     dropped: tuple[int, ...] = ()  # host slots read here for the last time
+    # Of those, the caller's donated arguments: deleted here where the state kept on host is larger
+    # than the device (``frees_host_state_early``), so that it does not stay beside the new state.
+    deleted: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +104,12 @@ def build_chain(
     host_inputs: frozenset[int] | set[int],
     results: Sequence[int | None],
     host_outputs: frozenset[int] | set[int],
+    donated: frozenset[int] | set[int] = frozenset(),
 ) -> Chain:
     """The chain of ``segments``: ``arguments`` are the step's argument buffers in order (those in
-    ``host_inputs`` arrive in host memory), ``results`` its result buffers in order (None for a
-    literal; those in ``host_outputs`` are returned from host memory)."""
+    ``host_inputs`` arrive in host memory; those in ``donated`` the caller gave up), ``results``
+    its result buffers in order (None for a literal; those in ``host_outputs`` are returned from
+    host memory)."""
     host = num_buffers
     argument_slots = tuple(b + host if b in host_inputs else b for b in arguments)
     result_slots = tuple(None if r is None else r + host if r in host_outputs else r for r in results)
@@ -114,13 +119,15 @@ def build_chain(
         if s.waits:
             operations.append(Wait(i, tuple(s.waits), _in_order(waited, (host + b for b in s.waits))))
         if s.prefetches:
-            operations.append(Prefetch(i, tuple(s.prefetches), _in_order(fetched, (host + b for b in s.prefetches))))
-        donated = set(s.donated)
+            dropped = _in_order(fetched, (host + b for b in s.prefetches))
+            given = tuple(slot for slot in dropped if slot - host in donated and slot - host in host_inputs)
+            operations.append(Prefetch(i, tuple(s.prefetches), dropped, given))
+        reused = set(s.donated)  # inputs whose memory the launch may reuse
         operations.append(
             Launch(
                 i,
                 tuple(s.inputs),
-                tuple(b in donated for b in s.inputs),
+                tuple(b in reused for b in s.inputs),
                 tuple(s.outputs),
                 _in_order(launched, s.inputs),
             )
@@ -147,7 +154,15 @@ def chain_of(program: Program, schedule: Schedule, segments: Sequence[Segment]) 
         host_inputs=schedule.host_inputs,
         results=[b for b, buffer in enumerate(buffers) if buffer.is_output],
         host_outputs=schedule.host_outputs,
+        donated=_given_up(program, schedule),
     )
+
+
+def _given_up(program: Program, schedule: Schedule) -> set[int]:
+    """The donated arguments the chain deletes at their last prefetch (``frees_host_state_early``)."""
+    if not frees_host_state_early(program, schedule):
+        return set()
+    return {b for b, buffer in enumerate(program.buffers) if buffer.kind == "input" and buffer.donated}
 
 
 def _in_order(slots: set[int], order: Iterator[int] | Sequence[int]) -> tuple[int, ...]:

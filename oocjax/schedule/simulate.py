@@ -19,7 +19,7 @@ from itertools import accumulate
 
 from oocjax.schedule._gc import gc_paused
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
-from oocjax.schedule.program import Program, Stay
+from oocjax.schedule.program import Buffer, Program, Stay
 from oocjax.schedule.units import format_bytes
 
 
@@ -78,6 +78,7 @@ def _replay(program: Program, schedule: Schedule) -> tuple[MemoryTimeline, tuple
     moved = checked.offload_by_buffer.keys() | checked.prefetches_by_buffer.keys()
     moved |= schedule.host_inputs | schedule.host_outputs
     unmoved_spans = program.unmoved_spans
+    early = frees_host_state_early(program, schedule)
     for b, buffer in enumerate(program.buffers):
         if n and b not in moved:  # most buffers: one precomputed span, no stays built
             start, end = unmoved_spans[b]
@@ -89,7 +90,7 @@ def _replay(program: Program, schedule: Schedule) -> tuple[MemoryTimeline, tuple
         for start, end in _device_spans(program, checked, b, violations) if n else ():
             device_diff[start] += buffer.nbytes
             device_diff[end + 1] -= buffer.nbytes
-        host_span = _host_span(n, checked, b, buffer.is_output)
+        host_span = _host_span(n, checked, b, buffer, early)
         if host_span is not None:
             host_diff[host_span[0]] += buffer.nbytes
             host_diff[host_span[1] + 1] -= buffer.nbytes
@@ -223,15 +224,27 @@ def _check_prefetch(program: Program, prefetch: Prefetch, served: tuple[int, ...
         out.append(_about(program, "bad-prefetch", b, what, issued))
 
 
-def _host_span(n: int, checked: Schedule, b: int, is_output: bool) -> tuple[int, int] | None:
+def frees_host_state_early(program: Program, schedule: Schedule) -> bool:
+    """Whether the donated arguments a plan keeps in host memory are deleted at their last prefetch,
+    rather than when the call ends: where they are more than the device budget (state larger than
+    the device), so that the host does not hold the old state beside the new. Elsewhere a failed
+    call leaves them intact, to be called again."""
+    kept = sum(program.buffers[b].nbytes for b in schedule.host_inputs if program.buffers[b].donated)
+    return schedule.budget_bytes is not None and kept > schedule.budget_bytes
+
+
+def _host_span(n: int, checked: Schedule, b: int, buffer: Buffer, early: bool) -> tuple[int, int] | None:
     if n == 0:
         return None
     if b in checked.host_inputs:
-        return (0, n - 1)
+        fetched = [p.issue_step for p in checked.prefetches_by_buffer.get(b, ())]
+        # Deleted at its last prefetch (``frees_host_state_early``), unless the step returns it as it is.
+        gone = early and buffer.donated and fetched and not buffer.is_output
+        return (0, max(fetched) if gone else n - 1)
     offload = checked.offload_by_buffer.get(b)
     if offload is None:
         return None
-    if is_output and b in checked.host_outputs:
+    if buffer.is_output and b in checked.host_outputs:
         return (offload.after_step, n - 1)
     last_use = max((p.issue_step for p in checked.prefetches_by_buffer.get(b, ())), default=offload.after_step)
     return (offload.after_step, max(last_use, offload.after_step))

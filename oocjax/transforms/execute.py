@@ -158,6 +158,9 @@ class ChainExecutor:
         for b, x in zip(op.buffers, copies, strict=True):
             slots[b] = x
             memory.hold(x, chain.slot_bytes[b], owned=True)
+        for slot in op.deleted:  # the caller donated it: gone now, as jax.jit's would be after the call
+            slots[slot].delete()
+            self.consumed_arguments.append(self.argument_of_slot[slot])
         for slot in op.dropped:
             slots[slot] = None
 

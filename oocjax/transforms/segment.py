@@ -195,8 +195,11 @@ def chain_function(
     return run
 
 
-def flat_chain(flat: FlatProgram, schedule: Schedule, segments: Sequence[Segment]) -> Chain:
-    """The chain of a traced step cut into ``segments``: the step's flat arguments and results."""
+def flat_chain(
+    flat: FlatProgram, schedule: Schedule, segments: Sequence[Segment], donated: Sequence[bool] = ()
+) -> Chain:
+    """The chain of a traced step cut into ``segments``: the step's flat arguments (``donated``
+    per argument) and results."""
     return build_chain(
         segments,
         num_buffers=len(flat.avals),
@@ -204,6 +207,7 @@ def flat_chain(flat: FlatProgram, schedule: Schedule, segments: Sequence[Segment
         host_inputs=schedule.host_inputs,
         results=[None if isinstance(r, jc.Literal) else r for r in flat.outputs],
         host_outputs=schedule.host_outputs,
+        donated={b for b, gave in enumerate(donated) if gave},
     )
 
 
