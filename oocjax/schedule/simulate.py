@@ -226,11 +226,11 @@ def _check_prefetch(program: Program, prefetch: Prefetch, served: tuple[int, ...
 
 def frees_host_state_early(program: Program, schedule: Schedule) -> bool:
     """Whether the donated arguments a plan keeps in host memory are deleted at their last prefetch,
-    rather than when the call ends: where they are more than the device budget (state larger than
-    the device), so that the host does not hold the old state beside the new. Elsewhere a failed
-    call leaves them intact, to be called again."""
-    kept = sum(program.buffers[b].nbytes for b in schedule.host_inputs if program.buffers[b].donated)
-    return schedule.budget_bytes is not None and kept > schedule.budget_bytes
+    rather than when the call ends: where the donated state is larger than the device budget, so
+    that the host does not hold the old state beside the new. Elsewhere a failed call leaves them
+    intact, to be called again."""
+    donated = sum(b.nbytes for b in program.buffers if b.kind == "input" and b.donated)
+    return bool(schedule.host_inputs) and schedule.budget_bytes is not None and donated > schedule.budget_bytes
 
 
 def _host_span(n: int, checked: Schedule, b: int, buffer: Buffer, early: bool) -> tuple[int, int] | None:
