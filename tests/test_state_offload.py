@@ -3,6 +3,7 @@ the budget trains as under ``jax.jit``, within the budget, moving what its plan 
 follow their gradients, which moves less than the traced order."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -17,14 +18,21 @@ from oocjax.transforms.execute import observe_segments
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
 
-def gpt_case():
+def gpt_parts():
     """3 layers of width 128 (state 7.2 MiB with AdamW), a batch small enough for a third of that."""
     model = Transformer(vocab=128, width=128, heads=4, layers=3, causal=True)
     optimizer = optax.adamw(1e-3)
-    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 128)
-    params = model.init(jax.random.key(0), tokens[:, :-1])
-    state = (params, optimizer.init(params))
-    return next_token_step(model, optimizer), state, tokens
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 16), jnp.int32))
+        return params, optimizer.init(params)
+
+    return next_token_step(model, optimizer), init, jax.random.randint(jax.random.key(1), (2, 17), 0, 128)
+
+
+def gpt_case():
+    step, init, tokens = gpt_parts()
+    return step, jax.jit(init)(jax.random.key(0)), tokens
 
 
 def state_bytes(state) -> int:
@@ -114,3 +122,17 @@ def test_donated_state_on_host_is_deleted_at_its_last_prefetch_and_the_plan_coun
         assert deleted == [deleted_in[a] <= segment for a in order], segment
     # Old state leaves host as new state arrives: the host holds little more than one state.
     assert plan.host_peak_bytes <= 1.3 * kept_bytes
+
+
+def test_state_larger_than_the_budget_is_made_by_an_ooc_jit_init_with_what_does_not_fit_on_host():
+    _, init, _ = gpt_parts()
+    key = jax.random.key(0)
+    kept_bytes = state_bytes(jax.eval_shape(init, key))
+    make = ooc_jit(init, budget=kept_bytes // 3, min_offload_bytes=4096)
+    state = make(key)
+    leaves = jax.tree.leaves(state)
+    assert all(isinstance(x, jax.Array) for x in leaves)  # the optimizer's count, a constant, too
+    assert sum(x.nbytes for x in leaves if x.sharding.memory_kind == "pinned_host") > kept_bytes // 2
+    assert make.plan(key).executed_peak_bytes <= kept_bytes // 3
+    for made, expected in zip(leaves, jax.tree.leaves(jax.jit(init)(key)), strict=True):
+        np.testing.assert_allclose(np.asarray(made), np.asarray(expected), atol=1e-6)  # XLA rounds apart

@@ -127,8 +127,10 @@ class ChainExecutor:
             memory.count_foreign()
             for op, name in zip(chain.operations, executable.names, strict=True):
                 self._follow[type(op)](op, name, slots)
+            # A result the step computes as a constant (optax's step count at init) is a new array
+            # each call, as jax.jit returns it: the caller may donate it.
             results = [
-                value if slot is None else slots[slot]
+                jax.device_put(value, self.device) if slot is None else slots[slot]
                 for slot, value in zip(chain.result_slots, executable.result_literals, strict=True)
             ]
         except BaseException:
