@@ -36,6 +36,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def test_the_readme_reads_in_three_minutes():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+
+
 def imports(path: Path, known: set[str]) -> set[str]:
     """The ``known`` modules ``path`` imports when it runs, in functions too; not those imported
     for type checking only (``if TYPE_CHECKING:``). ``from oocjax import plan_cache`` imports the

@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 
 from oocjax.schedule.reorder import updates_early
+from oocjax.transforms import _compat as jc
 from oocjax.transforms.flat import FlatProgram
 from oocjax.transforms.layers import equation_phases
 
@@ -35,7 +36,7 @@ def updates_after_gradients(flat: FlatProgram, donated: Sequence[bool], budget_b
     state = [b for b in arguments if math.prod(flat.avals[b].shape) > 1]  # not a learning rate passed in
     if not state or not all(donated[b] for b in state) or any(fe.eqn.effects for fe in tail):
         return flat
-    if sum(math.prod(flat.avals[b].shape) * flat.avals[b].dtype.itemsize for b in state) <= budget_bytes:
+    if sum(jc.nbytes(flat.avals[b]) for b in state) <= budget_bytes:
         return flat
     reads = [[r for r in fe.inputs if isinstance(r, int)] for fe in flat.equations]
     order = updates_early(reads, [fe.outputs for fe in flat.equations], tail_start, backward_start)
