@@ -68,7 +68,7 @@ def ooc_jit(
         units; ``min_segment_flops`` (smaller segments are merged where memory allows; default
         about a millisecond of work on the device) and ``min_segments`` (cut into at least this
         many segments even when nothing moves; for measuring the executor's overhead);
-        ``host_budget`` (host bytes the plan may use; default what the machine has available);
+        ``host_budget`` (host bytes the plan may use, within XLA's pinned pool on GPUs; default: all available);
         ``recompute``: ``"auto"`` (default: keep, move or recompute each value, whichever the
         device's measured rates say is faster), ``"off"`` (move only: the adaptive window
         planner alone), ``"always"`` (take the recomputing plan whenever it finds values to

@@ -109,14 +109,6 @@ def agreed_across_processes(budget_bytes: int, options: PlannerOptions) -> tuple
     return budget_bytes, dataclasses.replace(options, host_budget=host or None)
 
 
-def host_budget(options: PlannerOptions, host_bytes_in_use: int) -> int | None:
-    """The user's host budget, else what the machine has available less a margin (None: unknown)."""
-    if options.host_budget is not None:
-        return options.host_budget
-    available = available_host_bytes()
-    return None if available is None else int(available * (1 - HOST_MARGIN)) + host_bytes_in_use
-
-
 def _count(name: str, value: Any, *, smallest: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < smallest or value != int(value):
         raise ValueError(f"{name} must be a whole number >= {smallest}; got {value!r}")

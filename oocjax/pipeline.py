@@ -22,7 +22,8 @@ import jax
 import oocjax.plan_cache as plan_cache
 from oocjax.budget import Budget
 from oocjax.errors import BudgetInfeasibleError, OocError
-from oocjax.options import DEFAULT_HEADROOM, PlannerOptions, host_budget
+from oocjax.host_limit import host_limit
+from oocjax.options import DEFAULT_HEADROOM, PlannerOptions
 from oocjax.plan import Plan
 from oocjax.refusals import (
     check_host_peak,
@@ -104,7 +105,7 @@ class StepPlanner:
     ):
         self.traced, self.options, self.held_by_caller = traced, options, held_by_caller
         self.program = _with_held_by_caller(traced.program, held_by_caller)
-        self.host_budget = host_budget(options, host_bytes_in_use)
+        self.host_limit = host_limit(options, host_bytes_in_use, _platform())
         # On a mesh every byte figure is per device, and this process keeps host copies for each of its devices.
         self.local_copies = 1 if traced.layout is None else len(traced.layout.replicated.addressable_devices)
         self.compiled: dict = {}
@@ -171,7 +172,7 @@ class StepPlanner:
 
         Raises ``BudgetInfeasibleError`` when no plan fits, and ``OocError`` when the segments still
         measure over the budget after ``MAX_REPLANS`` plans, or a plan needs more host memory than
-        ``host_budget``. Every plan and its chain of segments are checked by the simulator first."""
+        it may use (``host_limit``). Every plan and its chain of segments are checked by the simulator first."""
         options, traced = self.options, self.traced
         traced_layers = layer_runs(traced.flat)
         choice = _choose(self.program, traced.flat, traced_layers, budget, options)
@@ -184,7 +185,7 @@ class StepPlanner:
             if schedule.moves_nothing and not rewrite.recomputed and options.min_segments <= 1:
                 settled = SettledPlan(choice=choice, program=program, schedule=schedule)
                 return self._finish(budget, settled), settled
-            check_host_peak(program, schedule, self.host_budget, options.host_budget is None, self.local_copies)
+            check_host_peak(program, schedule, self.host_limit, self.local_copies)
             cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments)
             cuts["layers"] = layers
             cuts["cut_before"] = tuple(halved)
@@ -224,7 +225,7 @@ class StepPlanner:
         chain of ``programs`` (compiled, per segment), with its segments' ``functions`` where made."""
         traced, choice, program, schedule = self.traced, settled.choice, settled.program, settled.schedule
         segments, costs, attempts, peak = settled.segments, settled.costs, settled.attempts, settled.peak
-        check_host_peak(program, schedule, self.host_budget, self.options.host_budget is None, self.local_copies)
+        check_host_peak(program, schedule, self.host_limit, self.local_copies)
         described = _description(traced, choice, schedule, budget)
         if not segments:
             return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None)

@@ -12,6 +12,7 @@ import jax
 from oocjax.arguments import ArgumentSpec
 from oocjax.budget import Budget
 from oocjax.errors import BudgetInfeasibleError, OocError
+from oocjax.host_limit import PINNED_POOL_VARIABLE, HostLimit
 from oocjax.options import HOST_MARGIN, PlannerOptions
 from oocjax.schedule import Program, Schedule, format_bytes, required_bytes, simulate
 from oocjax.schedule.segments import Segment, SegmentCost
@@ -48,28 +49,54 @@ def refuse_invalid(what: str, violations: tuple) -> None:
         )
 
 
-def check_host_peak(
-    program: Program, schedule: Schedule, host_budget: int | None, default: bool, copies: int = 1
-) -> None:
+def check_host_peak(program: Program, schedule: Schedule, limit: HostLimit, copies: int = 1) -> None:
     """Host memory is finite too: a plan whose host copies would not fit is refused before it runs.
     The plan's figures are per device; this process holds them for each of its ``copies`` devices."""
-    if host_budget is None:
+    if limit.bytes is None:
         return
     host_peak = simulate(program, schedule).host_peak_bytes * copies
-    if host_peak <= host_budget:
-        return
-    which = (
-        f"the memory this machine has available less a {HOST_MARGIN:.0%} margin ({format_bytes(host_budget)})"
-        if default
-        else f"host_budget ({format_bytes(host_budget)})"
+    if host_peak > limit.bytes:
+        raise OocError(host_peak_message(host_peak, limit))
+
+
+def host_peak_message(host_peak: int, limit: HostLimit) -> str:
+    """Why a plan over the host memory it may use is refused: the figures that limit it, which one
+    binds, and what the user can do about each."""
+    if limit.given_bytes is not None:
+        memory, short = f"host_budget ({format_bytes(limit.given_bytes)})", "host_budget"
+    else:
+        figure = "unknown" if limit.machine_bytes is None else format_bytes(limit.machine_bytes)
+        memory = f"the memory this machine has available less a {HOST_MARGIN:.0%} margin ({figure})"
+        short = "the machine's memory"
+    problem = (
+        f"the plan needs {format_bytes(host_peak, round_up=True)} of host memory at its peak (host-kept state and "
+        "copies of values moved off the device), more than "
     )
-    raise OocError(
-        f"the plan needs {format_bytes(host_peak)} of host memory at its peak (host-kept state and copies of "
-        f"values moved off the device), more than {which}.\n"
-        "Fixes:\n  1. raise the device budget, so that less moves to host;\n"
-        "  2. free host memory, or raise host_budget if the machine has more to give;\n"
-        "  3. make the step smaller (a smaller batch or model)."
+    fixes = ["raise the device budget, so that less moves to host"]
+    if limit.pinned_pool_bytes is None:
+        fixes.append("free host memory, or raise host_budget if the machine has more to give")
+        return _with_fixes(f"{problem}{memory}.", fixes)
+    pool = f"XLA's pool of pinned host memory ({format_bytes(limit.pinned_pool_bytes)}, {limit.pinned_pool_reading})"
+    binding = limit.memory_bytes is None or limit.pinned_pool_bytes <= limit.memory_bytes
+    problem += (
+        f"the {format_bytes(limit.bytes)} it may use on this GPU, the lesser of {memory} and {pool}: "
+        f"{'the pinned pool' if binding else short} binds. Every host copy comes from that pool, "
+        "whose cap applies on top of host_budget."
     )
+    if limit.pinned_pool_bytes < host_peak:
+        fixes.append(
+            f"if the machine has the memory, set {PINNED_POOL_VARIABLE}={-(-host_peak // 2**30)} (GiB) or more "
+            "before the process first uses the GPU (XLA reads it once, when it starts)"
+        )
+    if limit.memory_bytes is not None and limit.memory_bytes < host_peak:
+        act = "raise host_budget" if limit.given_bytes is not None else "free host memory, or pass host_budget"
+        fixes.append(f"{act}='{format_bytes(host_peak, round_up=True)}' if the machine has more to give")
+    return _with_fixes(problem, fixes)
+
+
+def _with_fixes(problem: str, fixes: list[str]) -> str:
+    fixes = [*fixes, "make the step smaller (a smaller batch or model)"]
+    return problem + "\nFixes:" + ";".join(f"\n  {k}. {fix}" for k, fix in enumerate(fixes, 1)) + "."
 
 
 def refuse_tokens_between(segments: tuple[Segment, ...], avals: tuple) -> None:
