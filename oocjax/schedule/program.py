@@ -95,15 +95,18 @@ class Program:
 
     def __post_init__(self) -> None:
         defined = [b.kind != "computed" for b in self.buffers]
-        for index, step in enumerate(self.steps):
+        n = len(defined)
+        for index, step in enumerate(self.steps):  # inlined checks: the selector builds a program per pick
             for b in step.reads:
-                self._check_id(b, index)
+                if not 0 <= b < n:
+                    self._check_id(b, index)
                 if not defined[b]:
                     raise ValueError(f"step {index} ({step.describe()}) reads buffer {b} before it is defined")
             if len(set(step.reads)) != len(step.reads):
                 raise ValueError(f"step {index} ({step.describe()}) lists a read twice: {step.reads}")
             for b in step.writes:
-                self._check_id(b, index)
+                if not 0 <= b < n:
+                    self._check_id(b, index)
                 if defined[b]:
                     kind = self.buffers[b].kind
                     raise ValueError(f"step {index} ({step.describe()}) redefines {kind} buffer {b}")

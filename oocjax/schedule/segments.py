@@ -142,6 +142,15 @@ class _Segmenter:
             if stay.start >= 0:
                 self.started_at[stay.start].append(stay)
         self.held_before = list(accumulate(diff[: n + 1]))
+        # Cuts that would part an old donated value's last read from the write of the result XLA
+        # is to put in its place (an optimizer's new moment over the old): both would be held.
+        uses = program.uses
+        self.parting: set[int] = set()
+        for b, buffer in enumerate(program.buffers):
+            written, old = uses.defined_at[b], buffer.aliased_input
+            if old is not None and written is not None:
+                read = [k for k in uses.read_at[old] if k <= written]
+                self.parting.update(range(read[-1] + 1, written + 1) if read else ())
 
     def fits_as_one(self, a: int, y: int) -> bool:
         """Whether no offload would have to be both issued and waited for inside steps a..y-1."""
@@ -225,18 +234,20 @@ class _Segmenter:
     def split_to_fit(self, a: int, y: int, budget: int) -> list[tuple[int, int]]:
         if y - a <= 1 or self.estimate(a, y)[1] <= budget:
             return [(a, y)]
-        middle = (a + y) // 2
+        middle = min(range(a + 1, y), key=lambda k: (k in self.parting, abs(k - (a + y) // 2)))
         return self.split_to_fit(a, middle, budget) + self.split_to_fit(middle, y, budget)
 
     def segment(self, a: int, y: int, previous: int | None) -> Segment:
-        defined_here = {b for step in self.program.steps[a:y] for b in step.writes}
+        # In the order they are made, not by id: alike layers number their values in another order
+        # (an optimizer traced over a tree of parameters sorted by name) but make them alike.
+        defined_here = [b for step in self.program.steps[a:y] for b in step.writes]
         inputs = self._inputs(a, y)
         held, estimate = self.estimate(a, y)
         return Segment(
             start=a,
             stop=y,
             inputs=inputs,
-            outputs=tuple(b for b in sorted(defined_here) if self.stays_of[b][0].needed_after(y)),
+            outputs=tuple(b for b in defined_here if self.stays_of[b][0].needed_after(y)),
             donated=tuple(b for b in inputs if self._owned_and_last_used(b, a, y)),
             waits=tuple(m.buffer for m in self._waits(a, y)),
             prefetches=self.prefetches(a, y, previous),
