@@ -81,7 +81,7 @@ def test_updates_moved_next_to_their_gradients_move_less_than_the_traced_order(m
     step, state, tokens = gpt_case()
     budget = state_bytes(state) // 3
     early = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096).plan(state, tokens)
-    monkeypatch.setattr(trace_module, "updates_after_gradients", lambda flat, donated, budget_bytes: flat)
+    monkeypatch.setattr(trace_module, "reorder_tail", lambda flat, donated, budget_bytes: flat)
     traced = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096).plan(state, tokens)
     assert early.timeline.h2d_bytes < traced.timeline.h2d_bytes
     assert early.timeline.d2h_bytes <= traced.timeline.d2h_bytes

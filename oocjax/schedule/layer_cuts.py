@@ -10,6 +10,9 @@ from itertools import pairwise
 from oocjax.schedule.program import Program
 
 
+MIN_GROUPS = 4
+
+
 def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flops: int) -> frozenset[int]:
     """The steps where groups of layers alike begin, and where the last of them ends.
 
@@ -35,7 +38,9 @@ def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flo
         period = next(p for p in range(1, len(kinds) + 1) if kinds[p:] == kinds[:-p] or p == len(kinds))
         blocks = [runs[i : i + period] for i in range(0, len(runs), period)]
         flops = sorted(sum(s.flops for a, y, _ in block for s in program.steps[a:y]) for block in blocks)
-        per_group = period * max(1, -(-min_flops // max(flops[len(flops) // 2], 1)))
+        # Enough work per group for min_flops, but at least MIN_GROUPS groups where there are that
+        # many layers: what a group of little work (an optimizer's update) costs is compiling it.
+        per_group = period * max(1, min(-(-min_flops // max(flops[len(flops) // 2], 1)), len(blocks) // MIN_GROUPS))
         starts = [runs[i][0] for i in range(0, len(runs), per_group)]
         bounds = [*starts, runs[-1][1]]
         signatures = [segment_signature(program, a, y) for a, y in pairwise(bounds)]

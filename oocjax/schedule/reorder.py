@@ -19,6 +19,7 @@ every gradient (clipping by global norm), it depends on the last one, and stays 
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 
@@ -36,6 +37,52 @@ def updates_early(
     >>> updates_early(reads, writes, tail_start=4, backward_start=2)
     [0, 1, 2, 4, 3, 5]
     """
+    anchor = anchors(reads, writes, tail_start, backward_start)
+    # Stable: equations with one anchor keep their order, and each follows what it reads.
+    return sorted(range(len(reads)), key=lambda k: (anchor.get(k, k), k >= tail_start, k))
+
+
+def updates_by_layer(
+    reads: Sequence[Sequence[int]],
+    writes: Sequence[Sequence[int]],
+    tail_start: int,
+    backward_start: int,
+    layers: Sequence[tuple[int, int]],
+) -> list[int]:
+    """The positions of the equations in their new order: the tail kept after the backward pass,
+    but grouped by the backward layer (``(start, stop)`` runs of equations) each equation's
+    anchor lies in, groups in the backward's order. ``optax`` traces one operation over every
+    parameter, then the next: grouped, each layer's update is one run, alike from layer to layer,
+    so that the tail compiles as one layer's program run once per layer, not as one program as
+    large as every update together.
+
+    >>> # backward layers (0, 2) and (2, 4); the tail: two operations over each layer's gradient
+    >>> reads = [[0], [1], [2], [3], [1], [3], [5], [6]]
+    >>> writes = [[1], [2], [3], [4], [5], [6], [7], [8]]
+    >>> updates_by_layer(reads, writes, tail_start=4, backward_start=0, layers=[(0, 2), (2, 4)])
+    [0, 1, 2, 3, 4, 6, 5, 7]
+    """
+    group = layer_groups(anchors(reads, writes, tail_start, backward_start), tail_start, len(reads), layers)
+    return [*range(tail_start), *sorted(range(tail_start, len(reads)), key=lambda k: (group[k], k))]
+
+
+def layer_groups(
+    anchor: dict[int, int], tail_start: int, n: int, layers: Sequence[tuple[int, int]]
+) -> dict[int, int]:
+    """Per tail equation: the start of the backward layer its anchor lies in, else the anchor."""
+    starts = [a for a, _ in layers]
+    group = {}
+    for k in range(tail_start, n):
+        i = bisect.bisect_right(starts, anchor[k]) - 1
+        group[k] = layers[i][0] if i >= 0 and anchor[k] < layers[i][1] else anchor[k]
+    return group
+
+
+def anchors(
+    reads: Sequence[Sequence[int]], writes: Sequence[Sequence[int]], tail_start: int, backward_start: int
+) -> dict[int, int]:
+    """Per equation from ``tail_start``: the equation before the tail it is to follow (see
+    ``updates_early``)."""
     n = len(reads)
     defined_at = {b: k for k in range(tail_start) for b in writes[k]}
     # The last use before the tail of each buffer: a tail equation goes after it too, so that an
@@ -58,5 +105,4 @@ def updates_early(
     for k in reversed(independent):
         placed = [anchor[u] for u in users.get(k, ()) if anchor[u] >= backward_start]
         anchor[k] = min(placed, default=tail_start - 1)
-    # Stable: equations with one anchor keep their order, and each follows what it reads.
-    return sorted(range(n), key=lambda k: (anchor.get(k, k), k >= tail_start, k))
+    return anchor

@@ -41,6 +41,11 @@ class FlatProgram:
     result_names: tuple[tuple[int, str], ...] = ()
 
 
+def dataflow(flat: FlatProgram) -> tuple[list[list[int]], list[tuple[int, ...]]]:
+    """Per equation, the buffers it reads (literals left out) and those it writes."""
+    return [[r for r in fe.inputs if type(r) is int] for fe in flat.equations], [fe.outputs for fe in flat.equations]
+
+
 @dataclass(frozen=True, slots=True)
 class LoopInfo:
     """A top-level ``scan``: where it is, its length, and whether it runs one iteration at a time."""

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from oocjax.transforms import _compat as jc
-from oocjax.transforms.flat import FlatProgram
+from oocjax.schedule.reorder import anchors, layer_groups
+from oocjax.transforms.flat import FlatProgram, dataflow
 from oocjax.transforms.segment import params_key
 
 # A path component numbered among its siblings: ``Block_3``, ``layer.3``, ``h/3`` (kind empty).
@@ -53,7 +54,35 @@ def layer_runs(flat: FlatProgram) -> tuple[tuple[int, int, str], ...]:
         if phase and not any(start <= a < stop for a, _, _ in named):
             owners = _owners(flat, runs) if phase == "transpose" else None
             runs += _structural_runs(flat, start, stop, phase, owners)
-    return tuple(sorted(runs))
+    return tuple(sorted([*runs, *_update_runs(flat, phases, runs)]))
+
+
+def _update_runs(
+    flat: FlatProgram, phases: Sequence[str], runs: Sequence[tuple[int, int, str]]
+) -> list[tuple[int, int, str]]:
+    """Per backward layer, the run of equations after the backward pass that follow its gradients
+    (``schedule.reorder.layer_groups``): its optimizer update, kind ``"update Block"``, where each
+    layer's is one run (``transforms.reorder`` groups them so); else none."""
+    backward = [(a, y, kind) for a, y, kind in runs if kind.startswith("transpose")]
+    transposed = [k for k, phase in enumerate(phases) if phase == "transpose"]
+    if len(backward) < MIN_LAYERS:
+        return []
+    reads, writes = dataflow(flat)
+    tail_start, n = transposed[-1] + 1, len(flat.equations)
+    anchor = anchors(reads, writes, tail_start, transposed[0])
+    group = layer_groups(anchor, tail_start, n, [(a, y) for a, y, _ in backward])
+    kinds = {a: "update " + kind.removeprefix("transpose ") for a, _, kind in backward}
+    found: list[list] = []
+    for k in range(tail_start, n):
+        if group[k] not in kinds:
+            continue
+        if found and found[-1][3] == group[k] and found[-1][1] == k:
+            found[-1][1] = k + 1
+        else:
+            found.append([k, k + 1, kinds[group[k]], group[k]])
+    if len({g for *_, g in found}) < len(found):  # a layer's update in pieces: not grouped
+        return []
+    return [(a, y, kind) for a, y, kind, _ in found]
 
 
 def _owners(flat: FlatProgram, runs: Sequence[tuple[int, int, str]]) -> dict[int, int]:

@@ -18,7 +18,7 @@ from oocjax.transforms import _compat as jc
 from oocjax.transforms.analyse import to_program
 from oocjax.transforms.flat import FlatProgram
 from oocjax.transforms.flatten import flatten
-from oocjax.transforms.reorder import updates_after_gradients
+from oocjax.transforms.reorder import reorder_tail
 from oocjax.transforms.shardings import Layout, check_one_mesh, is_sharded, per_device_sizes, step_layout
 
 
@@ -63,9 +63,9 @@ def trace_step(
 
 
 def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict, budget_bytes: int | None = None) -> TracedStep:
-    """``trace_step`` for arguments already split by an ``ArgumentSpec``; with ``budget_bytes``,
-    the optimizer's updates follow their gradients where the donated state is larger than it
-    (``transforms.reorder``)."""
+    """``trace_step`` for arguments already split by an ``ArgumentSpec``, the optimizer's updates
+    grouped by layer; with ``budget_bytes``, they follow their gradients instead where the donated
+    state is larger than it (``transforms.reorder``)."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(spec.dynamic(args, kwargs))[0]
     arguments = [x for _, x in paths_leaves]
     check_one_mesh(arguments, [spec.label(path, len(args)) for path, _ in paths_leaves])
@@ -77,8 +77,7 @@ def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict, budget_bytes:
     results = jax.tree_util.tree_flatten_with_path(traced.out_info)[0]
     output_labels = [f"result{jax.tree_util.keystr(path)}" for path, _ in results]
     flat = flatten(traced.jaxpr)
-    if budget_bytes is not None:
-        flat = updates_after_gradients(flat, donated, budget_bytes)
+    flat = reorder_tail(flat, donated, budget_bytes)
     program = to_program(flat, input_labels=labels, donated=donated, output_labels=output_labels)
     layout = step_layout(flat, arguments) if is_sharded(arguments, flat) else None
     if layout is not None:
