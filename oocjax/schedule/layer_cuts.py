@@ -9,7 +9,6 @@ from itertools import pairwise
 
 from oocjax.schedule.program import Program
 
-
 MIN_GROUPS = 4
 
 

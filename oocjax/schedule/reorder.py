@@ -66,9 +66,7 @@ def updates_by_layer(
     return [*range(tail_start), *sorted(range(tail_start, len(reads)), key=lambda k: (group[k], k))]
 
 
-def layer_groups(
-    anchor: dict[int, int], tail_start: int, n: int, layers: Sequence[tuple[int, int]]
-) -> dict[int, int]:
+def layer_groups(anchor: dict[int, int], tail_start: int, n: int, layers: Sequence[tuple[int, int]]) -> dict[int, int]:
     """Per tail equation: the start of the backward layer its anchor lies in, else the anchor."""
     starts = [a for a, _ in layers]
     group = {}

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from oocjax.transforms import _compat as jc
 from oocjax.schedule.reorder import anchors, layer_groups
+from oocjax.transforms import _compat as jc
 from oocjax.transforms.flat import FlatProgram, dataflow
 from oocjax.transforms.segment import params_key
 
