@@ -113,7 +113,7 @@ class _Analysis:
         eqn = fe.eqn
         reads = tuple(dict.fromkeys(r for r in fe.inputs if isinstance(r, int)))
         rule = rule_for(eqn)
-        scratch, flops = 0, rule.flops(eqn)
+        scratch, flops = rule.scratch(eqn), rule.flops(eqn)
         if rule.body_params:
             costs = [self.body(body) for body in _bodies(eqn, rule)]
             scratch = max(c.scratch_bytes for c in costs)

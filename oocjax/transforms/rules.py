@@ -6,7 +6,7 @@ A rule says, for one primitive:
   ``closed_call``, remat blocks);
 * what ``to_program`` costs it at: the bodies an opaque call runs and how their costs combine (a
   ``cond`` runs one branch, a ``while`` its condition and body once per trip, a ``scan`` its body
-  ``length`` times), or a first-order primitive's flops;
+  ``length`` times), or a first-order primitive's flops and scratch;
 * the name users call it by, for value labels (``select_n`` is ``where``);
 * whether an equation of it may run twice (``transforms.recompute``).
 
@@ -30,6 +30,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import prod
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from oocjax.errors import UnsupportedPrimitiveError
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.flat import FlatEquation
@@ -49,6 +53,42 @@ def _conv_flops(eqn: jc.JaxprEqn) -> int:
     rhs = eqn.invars[1].aval
     out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
     return 2 * prod(eqn.outvars[0].aval.shape) * prod(rhs.shape) // max(out_features, 1)
+
+
+# Backends that multiply floats narrower than 32 bits in float32 copies (``_upcast_product_scratch``).
+_UPCASTS_NARROW_PRODUCTS = frozenset({"cpu"})
+
+
+@functools.cache
+def _platform() -> str:
+    return jax.local_devices()[0].platform
+
+
+def _is_narrow_float(dtype: np.dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def _upcast_product_scratch(eqn: jc.JaxprEqn) -> int:
+    """The float32 copies XLA:CPU makes of a matmul or convolution with a narrower float result.
+
+    XLA:CPU has no bfloat16 (or float16) product with a bfloat16 result: it converts each operand to
+    float32, multiplies into a float32 result and rounds that back (read in its optimised HLO; a
+    bfloat16 product with a float32 result runs as it is). No jaxpr value shows those copies: a
+    [256,128] x [128,128] bfloat16 matmul holds 256 KiB of scratch beside its 64 KiB result. Left
+    out, the compiled segments of mixed-precision steps measured over the budget plan after plan:
+    the MLPs of tests/test_mixed_precision.py took 3 to 5 plans to fit (after 5 the planner gives
+    up, OocError), 1 with them. Counted as the copies' sum, an upper bound (that matmul's: 320
+    KiB). GPUs and TPUs multiply bfloat16 as it is: 0 there. The local device decides, so a program
+    traced on a CPU to plan for a GPU counts them too."""
+    result = eqn.outvars[0].aval
+    if _platform() not in _UPCASTS_NARROW_PRODUCTS or not _is_narrow_float(result.dtype):
+        return 0
+    avals = [v.aval for v in eqn.invars[:2] if _is_narrow_float(v.aval.dtype)] + [result]
+    return sum(4 * prod(aval.shape) for aval in avals)
+
+
+def _no_scratch(eqn: jc.JaxprEqn) -> int:
+    return 0
 
 
 def _elementwise_flops(eqn: jc.JaxprEqn) -> int:
@@ -112,6 +152,8 @@ class PrimitiveRule:
         condition and body), ``max`` where one does (a ``cond`` runs one branch: count the largest).
       trip_count: how many trips the call makes, from its equation and operands (a ``scan``: its length).
       flops: a first-order primitive's own flops.
+      scratch: a first-order primitive's own scratch, in bytes beyond its operands and results
+        (memory the compiled program holds while it runs that no jaxpr value shows).
       user_name: the name users call the operation by, where the primitive's name is not it: a name,
         or a function of the equation returning one (``None``: no better name than the primitive's).
       why_not_recomputable: why an equation of the primitive may not run twice, or ``None`` if it
@@ -124,6 +166,7 @@ class PrimitiveRule:
     combine_flops: Callable[[Iterable[int]], int] = sum
     trip_count: Callable[[FlatEquation], int] = _once
     flops: Callable[[jc.JaxprEqn], int] = _elementwise_flops
+    scratch: Callable[[jc.JaxprEqn], int] = _no_scratch
     user_name: UserNameRule = _default_user_name_rule
     why_not_recomputable: RecomputeRule = _default_recompute_rule
 
@@ -149,9 +192,9 @@ _rules: dict[str, PrimitiveRule] = {
     # A shard_map call runs whole, its body's per-device peak as its scratch: the body's avals are
     # already one device's (``transforms.shardings`` sizes its outputs from ``out_specs``).
     "shard_map": PrimitiveRule(body_params=("jaxpr",)),
-    # Flops.
-    "dot_general": PrimitiveRule(flops=_dot_general_flops),
-    "conv_general_dilated": PrimitiveRule(flops=_conv_flops),
+    # Flops, and the scratch of narrow-float products on the CPU.
+    "dot_general": PrimitiveRule(flops=_dot_general_flops, scratch=_upcast_product_scratch),
+    "conv_general_dilated": PrimitiveRule(flops=_conv_flops, scratch=_upcast_product_scratch),
     # Their jaxpr params are scalar combiners (how to add two elements), not calls: they need no
     # scratch beyond their operands and results.
     **{primitive.name: DEFAULT_RULE for primitive in jc.combiner_primitives},
