@@ -137,7 +137,9 @@ def test_stacked_parameters_kept_on_host_stay_within_the_budget_at_every_boundar
 
     in_core = ooc_jit(step, budget=2**62).plan(state, x).baseline_peak_bytes
     budget = int(in_core * 0.5)  # at 60% the stacked weights stay on the device, and only Adam's moments go to host
-    ooc = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096)
+    # Moves only: a plan that may recompute depends on the device's measured rates, and on a loaded
+    # CI machine it once kept the weights on the device, which this test is not about.
+    ooc = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096, recompute="off")
     plan = ooc.plan(state, x)
     assert "argument state[0]['params']['w']" in {h.label for h in plan.host_inputs}
     expected_state, expected_loss = jax.jit(step)(state, x)
