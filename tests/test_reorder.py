@@ -1,10 +1,12 @@
-"""The step's tail interleaved with its backward pass: every update right after the gradients it
-reads, in an order that computes the same values."""
+"""The step's tail interleaved with its backward pass (every update right after the gradients it
+reads), or kept after it and grouped by layer, in an order that computes the same values."""
+
+from itertools import pairwise
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oocjax.schedule.reorder import updates_early
+from oocjax.schedule.reorder import updates_by_layer, updates_early
 
 
 def reads_before_use(order, reads, writes, inputs) -> bool:
@@ -64,6 +66,23 @@ def test_with_a_global_norm_every_update_waits_for_the_last_gradient():
     assert reads_before_use(order, reads, writes, [0, 2, 100, 101, 102, 200, 201, 202])
 
 
+def test_grouped_by_layer_each_layers_decay_and_update_come_together_after_the_backward_pass():
+    reads, writes, tail, backward = backward_then_updates(3)
+    layers = [(3, 4), (4, 5), (5, 6)]  # the backward's layers: layer 2's, then 1's, then 0's
+    order = updates_by_layer(reads, writes, tail, backward, layers)
+    assert reads_before_use(order, reads, writes, [0, 2, 100, 101, 102, 200, 201, 202])
+    # Nothing moves into the backward pass; then the step count (6, before its first user) with layer
+    # 2's decay and update (11, 12), layer 1's (9, 10), layer 0's (7, 8).
+    assert order == [0, 1, 2, 3, 4, 5, 6, 11, 12, 9, 10, 7, 8]
+
+
+def test_grouped_by_layer_with_a_global_norm_the_updates_stay_together_and_in_order():
+    reads, writes, tail, backward = backward_then_updates(3, global_norm=True)
+    order = updates_by_layer(reads, writes, tail, backward, [(3, 4), (4, 5), (5, 6)])
+    assert order[:tail] == list(range(tail))
+    assert reads_before_use(order, reads, writes, [0, 2, 100, 101, 102, 200, 201, 202])
+
+
 @st.composite
 def programs(draw):
     n = draw(st.integers(2, 30))
@@ -85,3 +104,15 @@ def test_any_program_keeps_every_read_after_its_definition_and_the_rest_in_order
     assert sorted(order) == list(range(len(reads)))
     assert reads_before_use(order, reads, writes, [0, 1])
     assert [k for k in order if k < tail] == list(range(tail))
+
+
+@settings(max_examples=300, deadline=None)
+@given(programs(), st.data())
+def test_any_program_grouped_by_any_layers_keeps_every_read_after_its_definition(case, data):
+    reads, writes, tail, backward = case
+    cuts = sorted(data.draw(st.sets(st.integers(backward, tail), max_size=4)))
+    layers = [(a, y) for a, y in pairwise(cuts) if a < y]
+    order = updates_by_layer(reads, writes, tail, backward, layers)
+    assert sorted(order) == list(range(len(reads)))
+    assert reads_before_use(order, reads, writes, [0, 1])
+    assert order[:tail] == list(range(tail))
