@@ -78,11 +78,15 @@ def host_peak_message(host_peak: int, limit: HostLimit) -> str:
         return _with_fixes(f"{problem}{memory}.", fixes)
     pool = f"XLA's pool of pinned host memory ({format_bytes(limit.pinned_pool_bytes)}, {limit.pinned_pool_reading})"
     binding = limit.memory_bytes is None or limit.pinned_pool_bytes <= limit.memory_bytes
-    problem += (
-        f"the {format_bytes(limit.bytes)} it may use on this GPU, the lesser of {memory} and {pool}: "
-        f"{'the pinned pool' if binding else short} binds. Every host copy comes from that pool, "
-        "whose cap applies on top of host_budget."
-    )
+    cap = "on top of host_budget" if limit.given_bytes is not None else "whatever the machine has"
+    if limit.memory_bytes is None:  # the machine's memory unknown: the pool alone limits the plan
+        problem += f"the {format_bytes(limit.bytes)} it may use on this GPU, {pool}. "
+    else:
+        problem += (
+            f"the {format_bytes(limit.bytes)} it may use on this GPU, the lesser of {memory} and {pool}: "
+            f"{'the pinned pool' if binding else short} binds. "
+        )
+    problem += f"Every host copy comes from that pool, whose cap applies {cap}."
     if limit.pinned_pool_bytes < host_peak:
         fixes.append(
             f"if the machine has the memory, set {PINNED_POOL_VARIABLE}={-(-host_peak // 2**30)} (GiB) or more "

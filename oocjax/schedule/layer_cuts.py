@@ -39,7 +39,10 @@ def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flo
         flops = sorted(sum(s.flops for a, y, _ in block for s in program.steps[a:y]) for block in blocks)
         # Enough work per group for min_flops, but at least MIN_GROUPS groups where there are that
         # many layers: what a group of little work (an optimizer's update) costs is compiling it.
-        per_group = period * max(1, min(-(-min_flops // max(flops[len(flops) // 2], 1)), len(blocks) // MIN_GROUPS))
+        wanted = -(-min_flops // max(flops[len(flops) // 2], 1))
+        if len(blocks) >= MIN_GROUPS:
+            wanted = min(wanted, len(blocks) // MIN_GROUPS)
+        per_group = period * max(1, wanted)
         starts = [runs[i][0] for i in range(0, len(runs), per_group)]
         bounds = [*starts, runs[-1][1]]
         signatures = [segment_signature(program, a, y) for a, y in pairwise(bounds)]

@@ -62,7 +62,9 @@ def updates_by_layer(
     >>> updates_by_layer(reads, writes, tail_start=4, backward_start=0, layers=[(0, 2), (2, 4)])
     [0, 1, 2, 3, 4, 6, 5, 7]
     """
-    group = layer_groups(anchors(reads, writes, tail_start, backward_start), tail_start, len(reads), layers)
+    # A metric of the old parameters goes first, not after every update: they may then be written over.
+    anchor = anchors(reads, writes, tail_start, backward_start, unused=backward_start - 1)
+    group = layer_groups(anchor, tail_start, len(reads), layers)
     return [*range(tail_start), *sorted(range(tail_start, len(reads)), key=lambda k: (group[k], k))]
 
 
@@ -77,10 +79,16 @@ def layer_groups(anchor: dict[int, int], tail_start: int, n: int, layers: Sequen
 
 
 def anchors(
-    reads: Sequence[Sequence[int]], writes: Sequence[Sequence[int]], tail_start: int, backward_start: int
+    reads: Sequence[Sequence[int]],
+    writes: Sequence[Sequence[int]],
+    tail_start: int,
+    backward_start: int,
+    *,
+    unused: int | None = None,
 ) -> dict[int, int]:
     """Per equation from ``tail_start``: the equation before the tail it is to follow (see
-    ``updates_early``)."""
+    ``updates_early``). One that reads nothing the backward pass makes and that no tail equation
+    reads (a metric of the old parameters) follows ``unused``, by default the backward pass's end."""
     n = len(reads)
     defined_at = {b: k for k in range(tail_start) for b in writes[k]}
     # The last use before the tail of each buffer: a tail equation goes after it too, so that an
@@ -102,5 +110,7 @@ def anchors(
                 users.setdefault(d, []).append(k)
     for k in reversed(independent):
         placed = [anchor[u] for u in users.get(k, ()) if anchor[u] >= backward_start]
-        anchor[k] = min(placed, default=tail_start - 1)
+        anchor[k] = min(placed, default=tail_start - 1 if unused is None else unused)
+    for k in independent:  # and after what it reads, where that went later (to a user's place)
+        anchor[k] = max([anchor[k], *(anchor[d] for b in reads[k] if (d := defined_at.get(b, -1)) >= tail_start)])
     return anchor

@@ -233,19 +233,39 @@ class _Segmenter:
 
     def split_to_fit(self, a: int, y: int, budget: int) -> list[tuple[int, int]]:
         """Steps a..y-1 as few segments as fit ``budget`` by the estimate: from each start, the
-        longest that fits (searched by halves), a step alone where none does. Each is a program
-        to compile: halving instead cut the 4-layer test-zoo transformer's turn from forward to
-        backward into 10 segments of 1 to 12 steps."""
+        longest that fits, a step alone where none does. Each is a program to compile: halving
+        instead cut the 4-layer test-zoo transformer's turn from forward to backward into 19
+        segments where 10 fit."""
         ranges = []
-        while y - a > 1 and self.estimate(a, y)[1] > budget:
-            lo, hi = a + 1, y - 1  # the longest fitting a..stop-1 has its stop in lo..hi
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if self.estimate(a, mid)[1] <= budget else (lo, mid - 1)
-            stop = next((k for k in range(lo, a, -1) if k not in self.parting), lo)
+        while a < y:
+            stop = self._longest_fitting(a, y, budget)
             ranges.append((a, stop))
             a = stop
-        return [*ranges, (a, y)]
+        return ranges
+
+    def _longest_fitting(self, a: int, y: int, budget: int) -> int:
+        """The stop of the longest segment from step ``a`` (before ``y``) that fits ``budget``: sought
+        by doubling its length, then halving the last interval, so that finding a segment costs
+        about its own length times a logarithm, not the range's. Not where it would part an old
+        donated value from the result written over it (``parting``), if a few steps less fit."""
+
+        def fits(stop: int) -> bool:
+            return self.estimate(a, stop)[1] <= budget
+
+        lo, width = a + 1, 1  # a step alone, whether it fits or not
+        while lo < y and fits(min(lo + width, y)):
+            lo, width = min(lo + width, y), width * 2
+        if lo >= y:
+            return y
+        hi = min(lo + width, y) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        if lo in self.parting:
+            apart = next((k for k in range(lo - 1, max(a, lo - 16), -1) if k not in self.parting), None)
+            if apart is not None and fits(apart):
+                return apart
+        return lo
 
     def segment(self, a: int, y: int, previous: int | None) -> Segment:
         # In the order they are made, not by id: alike layers number their values in another order

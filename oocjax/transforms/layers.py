@@ -69,7 +69,7 @@ def _update_runs(
         return []
     reads, writes = dataflow(flat)
     tail_start, n = transposed[-1] + 1, len(flat.equations)
-    anchor = anchors(reads, writes, tail_start, transposed[0])
+    anchor = anchors(reads, writes, tail_start, transposed[0], unused=transposed[0] - 1)  # as the grouping
     group = layer_groups(anchor, tail_start, n, [(a, y) for a, y, _ in backward])
     kinds = {a: "update " + kind.removeprefix("transpose ") for a, _, kind in backward}
     found: list[list] = []
