@@ -78,9 +78,10 @@ def test_grouped_by_layer_each_layers_decay_and_update_come_together_after_the_b
 
 def test_grouped_by_layer_a_metric_of_the_old_parameters_comes_before_every_update():
     reads, writes, tail, backward = backward_then_updates(3)
-    reads.append([100, 101, 102]), writes.append([999])  # the parameters' norm, returned as a metric
+    reads.append([100, 101, 102]), writes.append([998])  # the parameters' squares summed,
+    reads.append([998]), writes.append([999])  # and their square root: a norm, returned as a metric
     order = updates_by_layer(reads, writes, tail, backward, [(3, 4), (4, 5), (5, 6)])
-    assert order == [0, 1, 2, 3, 4, 5, 13, 6, 11, 12, 9, 10, 7, 8]
+    assert order == [0, 1, 2, 3, 4, 5, 13, 14, 6, 11, 12, 9, 10, 7, 8]
 
 
 def test_grouped_by_layer_with_a_global_norm_the_updates_stay_together_and_in_order():

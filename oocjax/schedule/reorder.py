@@ -95,11 +95,15 @@ def anchors(
     # update that writes a new parameter over the old one comes after every other read of the old.
     last_use = {b: k for k in range(tail_start) for b in (*reads[k], *writes[k])}
     anchor: dict[int, int] = {}  # tail equation -> the equation before the tail it goes after
+    made: dict[int, int] = {}  # tail equation -> the last equation before the tail it depends on
     independent: list[int] = []
     for k in range(tail_start, n):
-        needs = max((anchor.get(defined_at.get(b, -1), defined_at.get(b, -1)) for b in reads[k]), default=-1)
-        if needs < backward_start:  # reads nothing the backward pass makes: placed before its first user
+        producers = [defined_at.get(b, -1) for b in reads[k]]
+        needs = max((made.get(d, d) for d in producers), default=-1)
+        made[k] = needs
+        if needs < backward_start:  # depends on nothing the backward pass makes: placed before its first user
             independent.append(k)
+        needs = max((anchor.get(d, d) for d in producers), default=-1)
         anchor[k] = max([needs, *(last_use.get(b, -1) for b in reads[k])])
         defined_at.update((b, k) for b in writes[k])
     users: dict[int, list[int]] = {}
