@@ -141,7 +141,7 @@ def main() -> None:
     pipeline_module.measure_profile = lambda: PROFILES["h200"]
     pipeline_module.compile_segments = estimated_costs
     if args.traced_order:  # the comparison: every update after the whole backward pass, as traced
-        trace_module.updates_after_gradients = lambda flat, donated, budget_bytes: flat
+        trace_module.reorder_tail = lambda flat, donated, budget_bytes: flat  # the order as traced
     rows = []
     for scan in [variant == "scan" for variant in args.variants.split(",")]:
         for gib in BUDGETS_GIB:

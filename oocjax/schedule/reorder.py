@@ -103,8 +103,8 @@ def anchors(
         made[k] = needs
         if needs < backward_start:  # depends on nothing the backward pass makes: placed before its first user
             independent.append(k)
-        needs = max((anchor.get(d, d) for d in producers), default=-1)
-        anchor[k] = max([needs, *(last_use.get(b, -1) for b in reads[k])])
+        follows = max((anchor.get(d, d) for d in producers), default=-1)
+        anchor[k] = max([follows, *(last_use.get(b, -1) for b in reads[k])])
         defined_at.update((b, k) for b in writes[k])
     users: dict[int, list[int]] = {}
     for k in range(tail_start, n):

@@ -29,18 +29,25 @@ from oocjax.transforms.layers import equation_phases, layer_runs
 def reorder_tail(flat: FlatProgram, donated: Sequence[bool], budget_bytes: int | None) -> FlatProgram:
     """``flat`` with its updates after their gradients (``updates_after_gradients``) where that
     applies, else grouped by layer after the backward pass (``updates_by_layer``)."""
-    early = flat if budget_bytes is None else updates_after_gradients(flat, donated, budget_bytes)
-    return early if early is not flat else updates_by_layer_of(flat)
+    backward = _backward(flat)
+    early = flat if budget_bytes is None else updates_after_gradients(flat, donated, budget_bytes, backward)
+    return early if early is not flat else updates_by_layer_of(flat, backward)
 
 
-def updates_by_layer_of(flat: FlatProgram) -> FlatProgram:
+def _backward(flat: FlatProgram) -> list[int]:
+    """The positions of the backward pass's equations."""
+    return [k for k, phase in enumerate(equation_phases(flat)) if phase == "transpose"]
+
+
+def updates_by_layer_of(flat: FlatProgram, backward: list[int] | None = None) -> FlatProgram:
     """``flat`` with the equations after its backward pass grouped by the backward layer whose
     gradients they read (``schedule.reorder.updates_by_layer``): each layer's update one run of
     equations, alike from layer to layer (``layers.layer_runs`` finds them), so that one compiled
     program serves every layer's update; ``flat`` itself where it has no layers or its tail has
     effects. On ``examples/decoders``' 12-layer Linen decoder the tail was one segment of 2,892
-    equations that took 1.8 s to compile on this project's 2-core CPU, longer than any other."""
-    backward = [k for k, phase in enumerate(equation_phases(flat)) if phase == "transpose"]
+    equations that took 1.8 s to compile on this project's 2-core CPU, longer than any other.
+    ``backward``: the backward pass's positions, where the caller has them."""
+    backward = _backward(flat) if backward is None else backward
     if not backward or any(fe.eqn.effects for fe in flat.equations[backward[-1] + 1 :]):
         return flat
     layers = [(a, y) for a, y, kind in layer_runs(flat) if kind.startswith("transpose")]
@@ -56,10 +63,12 @@ def _in_order(flat: FlatProgram, order: list[int]) -> FlatProgram:
     return dataclasses.replace(flat, equations=tuple(flat.equations[k] for k in order))
 
 
-def updates_after_gradients(flat: FlatProgram, donated: Sequence[bool], budget_bytes: int) -> FlatProgram:
+def updates_after_gradients(
+    flat: FlatProgram, donated: Sequence[bool], budget_bytes: int, backward: list[int] | None = None
+) -> FlatProgram:
     """``flat`` with its tail (after the backward pass) interleaved with the backward pass, where
     the state the tail reads is donated and larger than ``budget_bytes``; else ``flat`` itself."""
-    backward = [k for k, phase in enumerate(equation_phases(flat)) if phase == "transpose"]
+    backward = _backward(flat) if backward is None else backward
     if not backward:
         return flat
     backward_start, tail_start = backward[0], backward[-1] + 1
