@@ -185,10 +185,17 @@ def test_a_first_call_run_renders_whatever_parts_it_measured_in_the_measurements
 
 
 @pytest.mark.slow  # 76 s on 2 loaded CPU cores
-def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path):
+def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path, monkeypatch):
     """The script a GPU session runs to split ``ooc_jit``'s step time (``segment_profile.py``)."""
     from benchmarks.gpu_check import DRY_MODEL
     from benchmarks.segment_profile import profile
+    from oocjax import pipeline
+    from oocjax.schedule.profiles import resolve_profile
+
+    # Planned with fixed rates, the H200's that the script is for: rates measured on a loaded CI
+    # machine twice chose a plan whose segments share no program (19 of 19), and so do the CPU's
+    # published rates; which plan the rates pick is not what this test is about.
+    monkeypatch.setattr(pipeline, "measure_profile", lambda *args, **kwargs: resolve_profile("h200"))
 
     record = profile(DRY_MODEL, None, steps=2, dry_run=True)
     rows = record["segments"]
