@@ -419,8 +419,8 @@ def _state_offload_lines(records: list[tuple[str, dict]]) -> list[str]:
         "**Training state larger than the device, planned** (`benchmarks/state_offload.py`; plans only, made on "
         "a CPU with the H200's published rates and nothing compiled: not a GPU measurement): the 1.34B GPT "
         "(24 layers, width 2048, f32 AdamW state 15 GiB), state donated; per step, bytes to the device and back "
-        "against the floor (the host-kept state once each way), segments per layer, host peak against the "
-        "host-kept state.",
+        "against the floor (the host-kept state once each way), both together (the floor is smaller where a plan "
+        "keeps more state on the device), segments per layer, host peak against the host-kept state.",
         "",
     ]
     for name, r in records:
@@ -433,6 +433,7 @@ def _state_offload_lines(records: list[tuple[str, dict]]) -> list[str]:
             cells.append(
                 f"{case}: to the device {row['to_device_bytes'] / 2**30:.1f} GiB ({row['to_device_vs_floor']:.2f}x), "
                 f"back {row['back_bytes'] / 2**30:.1f} GiB ({row['back_vs_floor']:.2f}x), "
+                f"{(row['to_device_bytes'] + row['back_bytes']) / 2**30:.1f} GiB both ways, "
                 f"{row['segments_per_layer']:.1f} segments per layer, host peak {row['host_peak_vs_kept']:.2f}x"
             )
         lines += [f"- `{name}` ({r['order']}; {where(r)}): {'; '.join(cells)}.", ""]

@@ -9,7 +9,9 @@ each segment's memory is the planner's own estimate (a GPU run measures it and m
 
 Per case it prints what a step moves against the floor, where the floor is each byte of the state
 kept in host memory once each way (to the device: the host-kept state; back: the state returned to
-host), the segments per layer, and the host peak against the host-kept state. Issue 31's targets
+host), the segments per layer, and the host peak against the host-kept state. The floor moves with
+the plan: state a plan keeps on the device is off it. So it also prints what the step moves both
+ways together, the figure the link's time follows, against the whole state once each way. Issue 31's targets
 (to the device at most 1.5x the floor at 4 GiB and 1.3x at 14 GiB, back 1.3x and 1.2x, at most 4
 segments per layer, a host peak at most 1.2x) are printed beside each figure.
 
@@ -112,6 +114,7 @@ def show(row: dict, targets: dict | None) -> None:
         print(f"{name}: infeasible: {row['infeasible']}")
         return
     target = targets or {}
+    moved = row["to_device_bytes"] + row["back_bytes"]
 
     def ratio(key: str, limit: float | None) -> str:
         value = row[key]
@@ -122,6 +125,7 @@ def show(row: dict, targets: dict | None) -> None:
         f"{name}: state {row['state_bytes'] / GIB:.2f} GiB, {row['host_kept_bytes'] / GIB:.2f} GiB kept on host; "
         f"to the device {row['to_device_bytes'] / GIB:.2f} GiB = {ratio('to_device_vs_floor', target.get('to_device'))}"
         f" the floor, back {row['back_bytes'] / GIB:.2f} GiB = {ratio('back_vs_floor', target.get('back'))}; "
+        f"both ways {moved / GIB:.2f} GiB = {moved / (2 * row['state_bytes']):.2f}x the state once each way; "
         f"{row['segments']} segments = {row['segments_per_layer']:.1f} per layer (target <= {SEGMENTS_PER_LAYER}); "
         f"host peak {ratio('host_peak_vs_kept', HOST_PEAK)} the host-kept state; "
         f"{row['recomputed']} values recomputed; planned in {row['plan_seconds']:.0f} s",

@@ -292,4 +292,4 @@ def test_results_a_plan_keeps_on_host_are_named_as_the_state_arguments_they_repl
     results = {label.removeprefix("result[0]") for label in plan.host_outputs}  # the step returns (state, metrics)
     assert plan.host_outputs and all(label.startswith("result[0][") for label in plan.host_outputs)
     assert results <= arguments, sorted(results - arguments)
-    assert "[0]['params']['Dense_3']['kernel']" in arguments
+    assert any(label.startswith("[0]['params']['Dense_") and label.endswith("['kernel']") for label in arguments)

@@ -4,10 +4,13 @@ The expected schedules below were worked out by stepping through the algorithm o
 (Hayakawa & Narihira 2020); the comments give the reasoning that fixes each move.
 """
 
+import dataclasses
+
 import pytest
 
 from oocjax.errors import BudgetInfeasibleError
-from oocjax.schedule import Prefetch, Program, plan_window, required_bytes, simulate, validate
+from oocjax.schedule import Prefetch, Program, plan_window, required_bytes, simulate, validate, window
+from oocjax.schedule.homes import resident_candidates
 from oocjax.schedule.synthetic import layered_training_step
 from oocjax.schedule.window import _WindowPlanner
 from tests.programs import MiB, mlp_chain
@@ -203,3 +206,34 @@ def test_donated_state_fetched_once_stays_on_the_device_with_its_replacement():
     assert all(o in schedule.host_outputs for _, o in streamed)
     assert not any(m.buffer in {i for i, _ in kept} for m in schedule.moves)  # a kept input is never copied
     assert validate(program, schedule) == ()
+
+
+def test_inputs_fetched_again_and_again_stay_on_the_device_where_that_moves_fewer_bytes(monkeypatch):
+    # Four layers of 4 MiB parameters with AdamW-like moments: 48 MiB of donated state at a 45 MiB
+    # budget. Every input starts on host; that plan fetches params[2] and params[3] for the forward
+    # pass and again for their gradients, returns every update to host, and finds no room to keep
+    # any input (124 MiB moved). Planned again with those two parameters (and their updates) kept
+    # from the start, the rest moves around them: each saves two fetches and its return (100 MiB).
+    program = layered_training_step(4, 1, activation_bytes=4 * MiB, param_bytes=4 * MiB)
+    name = ids(program)
+    schedule = plan_window(program, 45 * MiB)
+    assert validate(program, schedule) == () and simulate(program, schedule).peak_bytes <= 45 * MiB
+    assert name["params[2]"] not in schedule.host_inputs and name["params[3]"] not in schedule.host_inputs
+    assert {program.buffers[b].label for b in schedule.host_inputs} >= {"params[0]", "params[1]", "mu[3]", "nu[3]"}
+    assert schedule.moved_bytes(program) == 100 * MiB
+
+    monkeypatch.setattr(window, "resident_candidates", lambda *args: [])
+    first = plan_window(program, 45 * MiB)
+    assert [len(first.prefetches_by_buffer[name[f"params[{i}]"]]) for i in range(4)] == [1, 1, 2, 2]
+    assert first.moved_bytes(program) == 124 * MiB
+
+
+def test_no_input_is_kept_by_choice_where_the_state_fits_the_budget_or_none_is_fetched_twice(monkeypatch):
+    program = layered_training_step(4, 1, activation_bytes=4 * MiB, param_bytes=4 * MiB)  # 48 MiB of state
+    monkeypatch.setattr(window, "resident_candidates", lambda *args: [])
+    schedule = plan_window(program, 45 * MiB)  # fetches params[2] and params[3] twice (above)
+    assert resident_candidates(program, schedule, 45 * MiB, MiB)
+    assert resident_candidates(program, schedule, 48 * MiB, MiB) == []  # the state fits
+    first_fetches = {m.buffer: m for m in reversed(schedule.prefetches)}.values()
+    once = dataclasses.replace(schedule, moves=(*schedule.offloads, *first_fetches))
+    assert resident_candidates(program, once, 45 * MiB, MiB) == []

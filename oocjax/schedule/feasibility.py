@@ -12,11 +12,15 @@ from oocjax.schedule.program import Program
 from oocjax.schedule.units import MiB, format_bytes
 
 
-def required_bytes(program: Program, min_offload_bytes: int = MiB) -> list[int]:
+def required_bytes(program: Program, min_offload_bytes: int = MiB, resident: frozenset[int] = frozenset()) -> list[int]:
     """Per step, the device bytes no schedule can go below: the step's own operands, results and
-    scratch, plus every value too small to move that is alive across it."""
+    scratch, plus every value too small to move (or ``resident``: kept on the device by choice)
+    that is alive across it."""
     n = len(program.steps)
-    movable_bytes = [0 if b.never_moves(min_offload_bytes) else b.nbytes for b in program.buffers]
+    movable_bytes = [
+        0 if b in resident or buffer.never_moves(min_offload_bytes) else buffer.nbytes
+        for b, buffer in enumerate(program.buffers)
+    ]
     pinned_diff = [0] * (n + 1)
     for b, buffer in enumerate(program.buffers):
         if n and not movable_bytes[b]:

@@ -2,11 +2,13 @@
 
 The window planner starts every movable input on host; ``settle_homes`` keeps on the device the
 inputs that fit there within the budget, and sends each output that replaces a donated input to
-where that input lives.
+where that input lives. ``resident_candidates`` proposes inputs to keep on the device before
+planning, for the planner to plan the rest around them.
 """
 
 from __future__ import annotations
 
+from oocjax.schedule.feasibility import required_bytes
 from oocjax.schedule.moves import Offload, Schedule, move_order
 from oocjax.schedule.program import Program
 from oocjax.schedule.range_max import RangeMax
@@ -94,3 +96,49 @@ def _inputs_kept_on_device(program: Program, schedule: Schedule) -> set[int]:
             device.add(s, e + 1, nbytes)
         kept.add(b)
     return kept
+
+
+# Candidate sets of resident inputs fill these fractions of the room the plan leaves.
+RESIDENT_FRACTIONS = (0.25, 0.5, 0.75)
+
+
+def resident_candidates(
+    program: Program, schedule: Schedule, budget_bytes: int, min_offload_bytes: int
+) -> list[frozenset[int]]:
+    """Sets of host inputs to keep on the device for the whole step (with the outputs that replace
+    them), each for the window planner to plan the rest around; none where ``schedule`` fetches no
+    input twice.
+
+    ``settle_homes`` keeps an input only where the finished plan leaves room for it over the whole
+    step, and a plan tight at one step (a layer's backward pass) leaves room almost nowhere. Yet
+    where the training state is larger than the device, a parameter is fetched for the forward
+    pass, again for its layer's recomputation and again for its gradient, while a moment is fetched
+    once: keeping parameters on the device and moving more of the rest saves bytes. Each candidate
+    takes the inputs ``schedule`` fetches most often, first, into a fraction of the room: the
+    budget less the largest need of any step (``required_bytes``); one that makes some step need
+    more than the budget is left out.
+
+    Only where the donated state is larger than the budget: elsewhere it fits beside the step's
+    values and ``settle_homes`` keeps what the plan fetches more than once, and a plan tighter than
+    it needs to be risks compiled segments measuring over the budget (and planning again).
+    """
+    donated = sum(buffer.nbytes for buffer in program.buffers if buffer.kind == "input" and buffer.donated)
+    fetches = {b: len(schedule.prefetches_by_buffer.get(b, ())) for b in schedule.host_inputs}
+    if donated <= budget_bytes or max(fetches.values(), default=0) < 2:
+        return []
+    replaced_by = {buf.aliased_input: b for b, buf in enumerate(program.buffers) if buf.aliased_input is not None}
+    ranked = sorted((b for b, n in fetches.items() if n), key=lambda b: (-fetches[b], b))
+    room = budget_bytes - max(required_bytes(program, min_offload_bytes), default=0)
+    candidates: list[frozenset[int]] = []
+    for fraction in RESIDENT_FRACTIONS:
+        free, chosen = fraction * room, []
+        for b in ranked:
+            if program.buffers[b].nbytes <= free:
+                chosen.append(b)
+                free -= program.buffers[b].nbytes
+        resident = frozenset(chosen) | {replaced_by[b] for b in chosen if b in replaced_by}
+        if not chosen or (candidates and resident == candidates[-1]):
+            continue
+        if max(required_bytes(program, min_offload_bytes, resident), default=0) <= budget_bytes:
+            candidates.append(resident)
+    return candidates

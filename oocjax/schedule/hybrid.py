@@ -143,8 +143,7 @@ class _Candidate:
 
     @property
     def moved_bytes(self) -> int:
-        buffers = self.rewrite.program.buffers
-        return sum(buffers[m.buffer].nbytes for m in self.schedule.moves)
+        return self.schedule.moved_bytes(self.rewrite.program)
 
 
 def _planned(rewrites: list, planner: Callable, budget_bytes: int, window: dict, profile) -> list[_Candidate]:

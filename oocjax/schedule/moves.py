@@ -117,6 +117,10 @@ class Schedule:
             returned_on_device=program.buffers[b].is_output and b not in self.host_outputs,
         )
 
+    def moved_bytes(self, program: Program) -> int:
+        """Bytes its copies move, both ways together."""
+        return sum(program.buffers[m.buffer].nbytes for m in self.moves)
+
     @property
     def moves_nothing(self) -> bool:
         return not (self.moves or self.host_inputs or self.host_outputs)
