@@ -40,7 +40,9 @@ from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax import pipeline as pipeline_module
 from oocjax.schedule import PROFILES
 from oocjax.schedule.segments import SegmentCost
+from oocjax.transforms import segment as segment_module
 from oocjax.transforms import trace as trace_module
+from oocjax.transforms.segment import segment_key
 
 GIB = 2**30
 MODEL = dict(layers=24, width=2048, heads=16, vocab=32000, batch=8, seq=1024)  # 1.34B parameters
@@ -51,9 +53,14 @@ SEGMENTS_PER_LAYER, HOST_PEAK = 4, 1.2
 GPU_OPTIONS = dict(min_segment_flops=4 * 10**11, min_offload_bytes=2**20, host_budget="4TiB")
 
 
+DISTINCT_PROGRAMS: list[int] = []  # per call of estimated_costs: the programs it would compile
+
+
 def estimated_costs(flat, segments, functions, cache=None, layout=None):
     """``compile_segments`` without compiling: each segment's scratch is what the planner estimated
-    for it beyond its arguments and results (a GPU run measures it instead)."""
+    for it beyond its arguments and results (a GPU run measures it instead). It counts the distinct
+    programs ``compile_segments`` would compile, by the same key."""
+    DISTINCT_PROGRAMS.append(len({(segment_key(flat, s), segment_module._donated(s)) for s in segments}))
     costs = []
     for s in segments:
         outputs = sum(math.prod(flat.avals[b].shape) * flat.avals[b].dtype.itemsize for b in s.outputs)
@@ -101,6 +108,7 @@ def plan_case(model: dict, scan: bool, budget_bytes: int) -> dict:
         back_vs_floor=timeline.d2h_bytes / floor_out if floor_out else None,
         segments=len(plan.segments),
         segments_per_layer=len(plan.segments) / model["layers"],
+        distinct_programs=DISTINCT_PROGRAMS[-1],
         host_peak_bytes=plan.host_peak_bytes,
         host_peak_vs_kept=plan.host_peak_bytes / floor_in if floor_in else None,
         recomputed=len(plan.recomputed),
@@ -126,7 +134,8 @@ def show(row: dict, targets: dict | None) -> None:
         f"to the device {row['to_device_bytes'] / GIB:.2f} GiB = {ratio('to_device_vs_floor', target.get('to_device'))}"
         f" the floor, back {row['back_bytes'] / GIB:.2f} GiB = {ratio('back_vs_floor', target.get('back'))}; "
         f"both ways {moved / GIB:.2f} GiB = {moved / (2 * row['state_bytes']):.2f}x the state once each way; "
-        f"{row['segments']} segments = {row['segments_per_layer']:.1f} per layer (target <= {SEGMENTS_PER_LAYER}); "
+        f"{row['segments']} segments = {row['segments_per_layer']:.1f} per layer (target <= {SEGMENTS_PER_LAYER}), "
+        f"{row['distinct_programs']} distinct programs; "
         f"host peak {ratio('host_peak_vs_kept', HOST_PEAK)} the host-kept state; "
         f"{row['recomputed']} values recomputed; planned in {row['plan_seconds']:.0f} s",
         flush=True,

@@ -47,7 +47,8 @@ class Prefetch:
     buffers: tuple[int, ...]
     dropped: tuple[int, ...] = ()  # host slots read here for the last time
     # Of those, the caller's donated arguments: deleted here where the state kept on host is larger
-    # than the device (``frees_host_state_early``), so that it does not stay beside the new state.
+    # than the device (``frees_host_state_early``), so that it does not stay beside the new state
+    # (before the first segment: once it is launched, so that a call stopped before leaves it whole).
     deleted: tuple[int, ...] = ()
 
 

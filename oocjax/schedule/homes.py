@@ -122,9 +122,8 @@ def resident_candidates(
     values and ``settle_homes`` keeps what the plan fetches more than once, and a plan tighter than
     it needs to be risks compiled segments measuring over the budget (and planning again).
     """
-    donated = sum(buffer.nbytes for buffer in program.buffers if buffer.kind == "input" and buffer.donated)
     fetches = {b: len(schedule.prefetches_by_buffer.get(b, ())) for b in schedule.host_inputs}
-    if donated <= budget_bytes or max(fetches.values(), default=0) < 2:
+    if program.donated_bytes <= budget_bytes or max(fetches.values(), default=0) < 2:
         return []
     replaced_by = {buf.aliased_input: b for b, buf in enumerate(program.buffers) if buf.aliased_input is not None}
     ranked = sorted((b for b, n in fetches.items() if n), key=lambda b: (-fetches[b], b))

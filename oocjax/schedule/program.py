@@ -127,6 +127,11 @@ class Program:
                 raise ValueError(f"buffer {b} aliases {alias}, which is not a donated input of an output")
 
     @cached_property
+    def donated_bytes(self) -> int:
+        """Bytes of the inputs the caller donates: the training state, in a training step."""
+        return sum(b.nbytes for b in self.buffers if b.kind == "input" and b.donated)
+
+    @cached_property
     def uses(self) -> Uses:
         """Where each buffer is defined and read (computed once)."""
         return Uses.of(self)

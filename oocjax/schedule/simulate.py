@@ -229,8 +229,8 @@ def frees_host_state_early(program: Program, schedule: Schedule) -> bool:
     rather than when the call ends: where the donated state is larger than the device budget, so
     that the host does not hold the old state beside the new. Elsewhere a failed call leaves them
     intact, to be called again."""
-    donated = sum(b.nbytes for b in program.buffers if b.kind == "input" and b.donated)
-    return bool(schedule.host_inputs) and schedule.budget_bytes is not None and donated > schedule.budget_bytes
+    budget = schedule.budget_bytes
+    return bool(schedule.host_inputs) and budget is not None and program.donated_bytes > budget
 
 
 def _host_span(n: int, checked: Schedule, b: int, buffer: Buffer, early: bool) -> tuple[int, int] | None:

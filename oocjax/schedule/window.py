@@ -22,21 +22,27 @@ where tensors are small, few where they are large. There is no timing model.
 Beyond nnabla: buffers under ``min_offload_bytes`` never move; an infeasible budget is detected
 before planning and reported with the smallest feasible budget (``schedule.feasibility``); inputs
 whose plan is "fetch at the start and keep" stay on the device instead, and outputs follow the
-memory of the input they alias (``schedule.homes``).
+memory of the input they alias (``schedule.homes``). Where the donated state is larger than the
+budget, inputs fetched again and again are kept on the device from the start where that moves
+fewer bytes (``homes.resident_candidates``), and the step is also planned in ranges of steps
+(``schedule.ranges``), taken where its fewer stops of the executor cost less than its copies.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate
 
+from oocjax.errors import BudgetInfeasibleError
 from oocjax.schedule._gc import gc_paused
 from oocjax.schedule.baselines import keep_all
 from oocjax.schedule.feasibility import check_feasible
 from oocjax.schedule.homes import resident_candidates, settle_homes
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.program import Program, held_for_whole_step
+from oocjax.schedule.ranges import boundaries, plan_in_ranges
 from oocjax.schedule.simulate import simulate
 from oocjax.schedule.units import MiB, format_bytes
 
@@ -85,13 +91,49 @@ def plan_window(
             return keep_all(program, budget_bytes=budget_bytes, strategy="window")
         check_feasible(program, budget_bytes, min_offload_bytes)
         _check_window(program, window)
-        plans = [settle_homes(program, _WindowPlanner(program, budget_bytes, window, min_offload_bytes).plan())]
-        for resident in resident_candidates(program, plans[0], budget_bytes, min_offload_bytes):
-            planner = _WindowPlanner(program, budget_bytes, window, min_offload_bytes, resident)
-            plans.append(settle_homes(program, planner.plan()))
-        # The program is the same in each, so what differs is the copies: the fewest bytes is the
-        # shortest link time, and on a tie the plan with nothing kept by choice.
-        return min(plans, key=lambda schedule: schedule.moved_bytes(program))
+        step_by_step = _plan_steps(program, budget_bytes, window, min_offload_bytes)
+        if program.donated_bytes <= budget_bytes:
+            return step_by_step
+        plans = [step_by_step]
+        plan = functools.partial(_plan_checked, window=window, min_offload_bytes=min_offload_bytes)
+        for share in RANGE_SHARES:
+            try:
+                plans.append(plan_in_ranges(program, budget_bytes, share, plan))
+            except (BudgetInfeasibleError, ValueError):  # a range alone over the budget or the window
+                continue
+        return _cheapest(program, plans)
+
+
+# Where the donated state is larger than the budget, the step is also planned in ranges that each
+# fit these shares of the budget (``schedule.ranges``), and the plan taken is the one that moves
+# fewest bytes with each boundary charged as BOUNDARY_BYTES: measured on an H200, the executor
+# cost about 1.3 ms per segment (segment_profile-nvidia-h200-2026-11-26.json), the time its link
+# moves 70 MB in (54 GB/s each way, gpu-nvidia-h200-2026-11-26b.json).
+RANGE_SHARES = (0.2, 0.3, 0.4, 0.5)
+BOUNDARY_BYTES = 70 * 10**6
+
+
+def _cheapest(program: Program, plans: list[Schedule]) -> Schedule:
+    """The plan whose copies (each way: half of both) and boundaries cost the least link time."""
+    return min(plans, key=lambda plan: plan.moved_bytes(program) // 2 + boundaries(plan) * BOUNDARY_BYTES)
+
+
+def _plan_checked(program: Program, budget_bytes: int, window: int, min_offload_bytes: int) -> Schedule:
+    check_feasible(program, budget_bytes, min_offload_bytes)
+    _check_window(program, window)
+    return _plan_steps(program, budget_bytes, window, min_offload_bytes)
+
+
+def _plan_steps(program: Program, budget_bytes: int, window: int, min_offload_bytes: int) -> Schedule:
+    """The window plan, homes settled; where the donated state is larger than the budget, planned
+    again with inputs kept on the device (``resident_candidates``), the one that moves fewest
+    bytes: the program is the same in each, so the fewest bytes is the shortest link time, and on
+    a tie the plan with nothing kept by choice."""
+    plans = [settle_homes(program, _WindowPlanner(program, budget_bytes, window, min_offload_bytes).plan())]
+    for resident in resident_candidates(program, plans[0], budget_bytes, min_offload_bytes):
+        planner = _WindowPlanner(program, budget_bytes, window, min_offload_bytes, resident)
+        plans.append(settle_homes(program, planner.plan()))
+    return min(plans, key=lambda schedule: schedule.moved_bytes(program))
 
 
 def _check_window(program: Program, window_bytes: int) -> None:

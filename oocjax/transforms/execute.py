@@ -108,6 +108,7 @@ class ChainExecutor:
         memory, executable, chain = self.memory, self.executable, self.chain
         memory.start_call()
         self.consumed_arguments = []
+        self._deleted_at_launch: list[tuple[int, Any]] = []
         peak_before = self.peak_in_use() if self.peak_in_use is not None else None
         self._launch_peak: int | None = None
         slots: list[Any] = [None] * chain.num_slots
@@ -160,11 +161,20 @@ class ChainExecutor:
         for b, x in zip(op.buffers, copies, strict=True):
             slots[b] = x
             memory.hold(x, chain.slot_bytes[b], owned=True)
-        for slot in op.deleted:  # the caller donated it: gone now, as jax.jit's would be after the call
-            slots[slot].delete()
-            self.consumed_arguments.append(self.argument_of_slot[slot])
+        # The caller donated these: gone now, as jax.jit's would be after the call; before the
+        # first launch, once it is launched, so that a call stopped before it leaves the state whole.
+        deleted = [(slot, slots[slot]) for slot in op.deleted]
+        if op.segment == 0:
+            self._deleted_at_launch += deleted
+        else:
+            self._delete(deleted)
         for slot in op.dropped:
             slots[slot] = None
+
+    def _delete(self, deleted: list[tuple[int, Any]]) -> None:
+        for slot, x in deleted:
+            x.delete()
+            self.consumed_arguments.append(self.argument_of_slot[slot])
 
     def _launch(self, op: Launch, name: str, slots: list[Any]) -> None:
         """Launches a segment once there is room for it."""
@@ -191,6 +201,8 @@ class ChainExecutor:
             outputs = self._checked(op.segment)(*inputs)
         else:
             outputs = executable.programs[op.segment](*inputs)
+        self._delete(self._deleted_at_launch)
+        self._deleted_at_launch = []
         probe = ready_probe(outputs)
         if any(op.donated):
             self._consumed(op, inputs, probe)
