@@ -15,8 +15,14 @@ ways together, the figure the link's time follows, against the whole state once 
 (to the device at most 1.5x the floor at 4 GiB and 1.3x at 14 GiB, back 1.3x and 1.2x, at most 4
 segments per layer, a host peak at most 1.2x) are printed beside each figure.
 
+With ``--end-to-end`` it runs instead, on this machine's device, a GPT scaled down to 8 layers of
+width 512 whose state is 3x the budget, as ``ooc_jit`` plans it here: per step the loss beside
+``jax.jit``'s, the chain's executed peak (its compiled programs' sizes and the arrays it holds)
+against the budget, and the bytes the executor copied each way against the plan's.
+
     python benchmarks/state_offload.py --out benchmarks/results/state_offload-plan-<date>.json
     python benchmarks/state_offload.py --dry-run     # a small GPT at scaled budgets: checks the script
+    python benchmarks/state_offload.py --end-to-end --out benchmarks/results/state_offload-cpu-<date>.json
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax import pipeline as pipeline_module
 from oocjax.schedule import PROFILES
 from oocjax.schedule.segments import SegmentCost
+from oocjax.transforms import execute as execute_module
 from oocjax.transforms import segment as segment_module
 from oocjax.transforms import trace as trace_module
 from oocjax.transforms.segment import segment_key
@@ -116,6 +123,90 @@ def plan_case(model: dict, scan: bool, budget_bytes: int) -> dict:
     )
 
 
+END_TO_END_MODEL = dict(layers=8, width=512, heads=8, vocab=1024, batch=4, seq=128)
+
+
+def end_to_end(model: dict, steps: int = 3) -> dict:
+    """The scaled GPT trained ``steps`` steps under ``jax.jit`` and under ``ooc_jit`` at a third of
+    its state, on the same state and batch."""
+    gpt = Transformer(
+        vocab=model["vocab"], width=model["width"], heads=model["heads"], layers=model["layers"], causal=True
+    )
+    optimizer = optax.adamw(1e-4)
+    step_fn = next_token_step(gpt, optimizer)
+
+    def init(key):
+        params = gpt.init(key, jnp.zeros((1, model["seq"]), jnp.int32))
+        return params, optimizer.init(params)
+
+    state = jax.jit(init)(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (model["batch"], model["seq"] + 1), 0, model["vocab"])
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    budget = state_bytes // 3
+    expected, carried = [], jax.tree.map(lambda x: x.copy(), state)
+    jitted = jax.jit(step_fn)
+    for _ in range(steps):
+        state, loss = jitted(state, tokens)
+        expected.append(float(loss))
+    ooc = ooc_jit(step_fn, budget=budget, donate_argnums=(0,))
+    started = time.perf_counter()
+    plan = ooc.plan(carried, tokens)
+    plan_seconds = time.perf_counter() - started
+    moved, put = {"device": 0, "pinned_host": 0}, execute_module.put
+
+    def counted(values, target):
+        copies = put(values, target)
+        for copy in copies:
+            moved[copy.sharding.memory_kind] += copy.nbytes
+        return copies
+
+    execute_module.put = counted
+    try:
+        losses = []
+        for _ in range(steps):
+            carried, loss = ooc(carried, tokens)
+            losses.append(float(loss))
+    finally:
+        execute_module.put = put
+    (planner,) = ooc._planners.values()
+    return dict(
+        model=model,
+        steps=steps,
+        state_bytes=state_bytes,
+        budget_bytes=budget,
+        host_kept_bytes=sum(h.nbytes for h in plan.host_inputs),
+        jit_losses=expected,
+        ooc_losses=losses,
+        largest_relative_difference=max(abs(a - b) / abs(b) for a, b in zip(losses, expected)),
+        executed_peak_bytes=plan.executed_peak_bytes,
+        planned_to_device_bytes=steps * plan.timeline.h2d_bytes,
+        planned_back_bytes=steps * plan.timeline.d2h_bytes,
+        copied_to_device_bytes=moved["device"],
+        copied_back_bytes=moved["pinned_host"],
+        segments=len(plan.segments),
+        segments_per_layer=len(plan.segments) / model["layers"],
+        distinct_programs=len({id(p) for p in planner.built.programs}),
+        plan_seconds=plan_seconds,
+    )
+
+
+def show_end_to_end(row: dict) -> None:
+    mib = 2**20
+    print(
+        f"{row['model']['layers']} layers x {row['model']['width']}: state {row['state_bytes'] / mib:.1f} MiB, budget "
+        f"{row['budget_bytes'] / mib:.1f} MiB, {row['host_kept_bytes'] / mib:.1f} MiB kept on host\n"
+        f"  losses, jax.jit: {row['jit_losses']}\n  losses, ooc_jit: {row['ooc_losses']} "
+        f"(largest relative difference {row['largest_relative_difference']:.1e})\n"
+        f"  executed peak {row['executed_peak_bytes'] / mib:.1f} MiB, budget {row['budget_bytes'] / mib:.1f} MiB\n"
+        f"  copied in {row['steps']} steps: to the device {row['copied_to_device_bytes']} B (plan: "
+        f"{row['planned_to_device_bytes']} B), back {row['copied_back_bytes']} B "
+        f"(plan: {row['planned_back_bytes']} B)\n"
+        f"  {row['segments']} segments = {row['segments_per_layer']:.1f} per layer, {row['distinct_programs']} "
+        f"distinct programs; first plan (with compiling) {row['plan_seconds']:.0f} s",
+        flush=True,
+    )
+
+
 def show(row: dict, targets: dict | None) -> None:
     name = f"{'scan' if row['scan'] else 'loop'} at {row['budget_bytes'] / GIB:.3g} GiB"
     if "infeasible" in row:
@@ -147,8 +238,17 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="a small GPT at budgets scaled to its state")
     parser.add_argument("--variants", default="loop,scan")
     parser.add_argument("--traced-order", action="store_true", help="keep the optimizer's updates at the end")
+    parser.add_argument("--end-to-end", action="store_true", help="train the scaled GPT on this machine's device")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.end_to_end:
+        row = end_to_end(END_TO_END_MODEL)
+        show_end_to_end(row)
+        if args.out:
+            record = dict(benchmark="state_offload_end_to_end") | row | machine()
+            Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+            print(f"wrote {args.out}")
+        return
     model = DRY_MODEL if args.dry_run else MODEL
     # Planned as on a GPU: the H200's rates, and compiling nothing (see ``estimated_costs``).
     pipeline_module.measure_profile = lambda: PROFILES["h200"]
