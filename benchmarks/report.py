@@ -165,9 +165,13 @@ def section() -> str:
     homes = sorted(RESULTS.glob("state_homes_model-*.json"))
     if homes:
         lines += _state_homes_lines([(f.name, json.loads(f.read_text())) for f in homes])
-    offload = sorted(RESULTS.glob("state_offload-*.json"))
-    if offload:
-        lines += _state_offload_lines([(f.name, json.loads(f.read_text())) for f in offload])
+    offload = [(f.name, json.loads(f.read_text())) for f in sorted(RESULTS.glob("state_offload-*.json"))]
+    planned = [(name, r) for name, r in offload if r["benchmark"] == "state_offload"]
+    if planned:
+        lines += _state_offload_lines(planned)
+    for name, r in offload:
+        if r["benchmark"] == "state_offload_end_to_end":
+            lines += _state_offload_run_lines(name, r)
     found = latest("simulated")
     if found:
         name, r = found
@@ -438,6 +442,25 @@ def _state_offload_lines(records: list[tuple[str, dict]]) -> list[str]:
             )
         lines += [f"- `{name}` ({r['order']}; {where(r)}): {'; '.join(cells)}.", ""]
     return lines
+
+
+def _state_offload_run_lines(name: str, r: dict) -> list[str]:
+    """One sentence for a ``state_offload.py --end-to-end`` file: the scaled GPT trained on this machine."""
+    m, mib = r["model"], 2**20
+    copied = (r["copied_to_device_bytes"], r["copied_back_bytes"])
+    planned = (r["planned_to_device_bytes"], r["planned_back_bytes"])
+    return [
+        f"**Training state larger than the budget, run** (`{name}`; {where(r)}): the GPT scaled to "
+        f"{m['layers']} layers of width {m['width']} (state {r['state_bytes'] / mib:.0f} MiB, budget "
+        f"{r['budget_bytes'] / mib:.1f} MiB, {r['host_kept_bytes'] / mib:.0f} MiB kept on host), {r['steps']} steps: "
+        f"losses {'equal to' if r['largest_relative_difference'] == 0 else 'within'} `jax.jit`'s "
+        f"(largest relative difference {r['largest_relative_difference']:.1e}), executed peak "
+        f"{r['executed_peak_bytes'] / mib:.1f} MiB, bytes copied each way "
+        f"{'equal to' if copied == planned else 'NOT equal to'} the plan's "
+        f"({copied[0] / r['steps'] / mib:.0f} MiB to the device and {copied[1] / r['steps'] / mib:.0f} MiB back a "
+        f"step), {r['segments_per_layer']:.1f} segments per layer, {r['distinct_programs']} distinct programs.",
+        "",
+    ]
 
 
 def _median(values: list[float]) -> float:
