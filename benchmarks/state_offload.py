@@ -28,10 +28,12 @@ against the budget, and the bytes the executor copied each way against the plan'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -123,6 +125,24 @@ def plan_case(model: dict, scan: bool, budget_bytes: int) -> dict:
     )
 
 
+@contextlib.contextmanager
+def copies_counted() -> Iterator[dict]:
+    """Inside it, every copy the executor makes is counted in bytes, by the memory it goes to."""
+    moved, put = {"device": 0, "pinned_host": 0}, execute_module.put
+
+    def counted(values, target):
+        copies = put(values, target)
+        for copy in copies:
+            moved[copy.sharding.memory_kind] += copy.nbytes
+        return copies
+
+    execute_module.put = counted
+    try:
+        yield moved
+    finally:
+        execute_module.put = put
+
+
 END_TO_END_MODEL = dict(layers=8, width=512, heads=8, vocab=1024, batch=4, seq=128)
 
 
@@ -152,22 +172,11 @@ def end_to_end(model: dict, steps: int = 3) -> dict:
     started = time.perf_counter()
     plan = ooc.plan(carried, tokens)
     plan_seconds = time.perf_counter() - started
-    moved, put = {"device": 0, "pinned_host": 0}, execute_module.put
-
-    def counted(values, target):
-        copies = put(values, target)
-        for copy in copies:
-            moved[copy.sharding.memory_kind] += copy.nbytes
-        return copies
-
-    execute_module.put = counted
-    try:
-        losses = []
+    losses = []
+    with copies_counted() as moved:
         for _ in range(steps):
             carried, loss = ooc(carried, tokens)
             losses.append(float(loss))
-    finally:
-        execute_module.put = put
     (planner,) = ooc._planners.values()
     return dict(
         model=model,

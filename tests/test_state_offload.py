@@ -9,10 +9,10 @@ import optax
 import pytest
 
 import oocjax.transforms.trace as trace_module
+from benchmarks.state_offload import copies_counted
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, pipeline, to_host
 from oocjax.schedule.chain import Prefetch, chain_of
-from oocjax.transforms import execute
 from oocjax.transforms.execute import observe_segments
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
@@ -39,37 +39,23 @@ def state_bytes(state) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
-def moved_bytes_counted(monkeypatch) -> dict:
-    """Every transfer the executor makes, in bytes, by the memory it goes to."""
-    moved, put = {"device": 0, "pinned_host": 0}, execute.put
-
-    def counted(values, target):
-        copies = put(values, target)
-        for copy in copies:
-            moved[copy.sharding.memory_kind] += copy.nbytes
-        return copies
-
-    monkeypatch.setattr(execute, "put", counted)
-    return moved
-
-
 @pytest.mark.slow  # 13 s here
-def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_it(monkeypatch):
+def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_it():
     step, state, tokens = gpt_case()
     budget = state_bytes(state) // 3
     ooc = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096)
     plan = ooc.plan(state, tokens)
     assert plan.executed_peak_bytes <= budget and plan.host_inputs
-    moved = moved_bytes_counted(monkeypatch)
     expected, carried = [], jax.tree.map(lambda x: x.copy(), state)
     jitted = jax.jit(step)
     for _ in range(2):
         state, loss = jitted(state, tokens)
         expected.append(loss)
     losses = []
-    for _ in range(2):
-        carried, loss = ooc(carried, tokens)
-        losses.append(loss)
+    with copies_counted() as moved:
+        for _ in range(2):
+            carried, loss = ooc(carried, tokens)
+            losses.append(loss)
     np.testing.assert_allclose(losses, expected, rtol=2e-5)
     assert moved == {"device": 2 * plan.timeline.h2d_bytes, "pinned_host": 2 * plan.timeline.d2h_bytes}
 
