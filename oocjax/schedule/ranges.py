@@ -130,7 +130,7 @@ def refined(program: Program, coarse: Schedule, ranges: list[Range], ids: tuple[
             done = None if m.done_before_step is None else ranges[m.done_before_step].start
             moves.append(Offload(buffer=b, after_step=ranges[m.after_step].stop - 1, done_before_step=done))
     return Schedule(
-        strategy=coarse.strategy,
+        strategy=f"{coarse.strategy} in ranges",
         budget_bytes=coarse.budget_bytes,
         host_inputs=frozenset(ids[b] for b in coarse.host_inputs),
         host_outputs=frozenset(ids[b] for b in coarse.host_outputs),
