@@ -445,20 +445,24 @@ def _state_offload_lines(records: list[tuple[str, dict]]) -> list[str]:
 
 
 def _state_offload_run_lines(name: str, r: dict) -> list[str]:
-    """One sentence for a ``state_offload.py --end-to-end`` file: the scaled GPT trained on this machine."""
-    m, mib = r["model"], 2**20
-    copied = (r["copied_to_device_bytes"], r["copied_back_bytes"])
-    planned = (r["planned_to_device_bytes"], r["planned_back_bytes"])
+    """One sentence for a ``state_offload.py --end-to-end`` file: steps with state over the budget,
+    trained on this machine."""
+    cells = []
+    for row in r["rows"]:
+        copied = (row["copied_to_device_bytes"], row["copied_back_bytes"])
+        planned = (row["planned_to_device_bytes"], row["planned_back_bytes"])
+        difference = row["largest_relative_difference"]
+        cells.append(
+            f"{row['name']} ({row['layers']} layers, state {row['state_bytes'] / 2**20:.2f} MiB, budget "
+            f"{row['budget_bytes'] / row['state_bytes']:.2f} of it, {row['strategy']}): losses "
+            f"{'equal to' if difference == 0 else f'within {difference:.1e} of'} `jax.jit`'s, executed peak "
+            f"{row['executed_peak_bytes'] / row['budget_bytes']:.2f} of the budget, copies "
+            f"{'equal to' if copied == planned else 'NOT equal to'} the plan's, "
+            f"{row['segments_per_layer']:.1f} segments per layer, {row['distinct_programs']} distinct programs"
+        )
     return [
-        f"**Training state larger than the budget, run** (`{name}`; {where(r)}): the GPT scaled to "
-        f"{m['layers']} layers of width {m['width']} (state {r['state_bytes'] / mib:.0f} MiB, budget "
-        f"{r['budget_bytes'] / mib:.1f} MiB, {r['host_kept_bytes'] / mib:.0f} MiB kept on host), {r['steps']} steps: "
-        f"losses {'equal to' if r['largest_relative_difference'] == 0 else 'within'} `jax.jit`'s "
-        f"(largest relative difference {r['largest_relative_difference']:.1e}), executed peak "
-        f"{r['executed_peak_bytes'] / mib:.1f} MiB, bytes copied each way "
-        f"{'equal to' if copied == planned else 'NOT equal to'} the plan's "
-        f"({copied[0] / r['steps'] / mib:.0f} MiB to the device and {copied[1] / r['steps'] / mib:.0f} MiB back a "
-        f"step), {r['segments_per_layer']:.1f} segments per layer, {r['distinct_programs']} distinct programs.",
+        f"**Training state larger than the budget, run** (`{name}`; {where(r)}; {r['rows'][0]['steps']} steps "
+        f"each): {'; '.join(cells)}.",
         "",
     ]
 

@@ -16,7 +16,8 @@ ways together, the figure the link's time follows, against the whole state once 
 segments per layer, a host peak at most 1.2x) are printed beside each figure.
 
 With ``--end-to-end`` it runs instead, on this machine's device, a GPT scaled down to 8 layers of
-width 512 whose state is 3x the budget, as ``ooc_jit`` plans it here: per step the loss beside
+width 512 whose state is 3x the budget, and the decoder of ``examples/decoders.py`` written four
+ways (4 layers, budget 0.8 of the state), as ``ooc_jit`` plans them here: per step the loss beside
 ``jax.jit``'s, the chain's executed peak (its compiled programs' sizes and the arrays it holds)
 against the budget, and the bytes the executor copied each way against the plan's.
 
@@ -43,6 +44,7 @@ import optax
 if __package__ in (None, ""):  # run as ``python benchmarks/state_offload.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
+from examples.decoders import WAYS, decoder_case
 from examples.models import Transformer, next_token_step
 from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax import pipeline as pipeline_module
@@ -144,16 +146,17 @@ def copies_counted() -> Iterator[dict]:
 
 
 END_TO_END_MODEL = dict(layers=8, width=512, heads=8, vocab=1024, batch=4, seq=128)
+WAYS_LAYERS, WAYS_SHARE = 4, 0.8  # the decoders' activations need more than a third of their state
 
 
-def end_to_end(model: dict, steps: int = 3) -> dict:
-    """The scaled GPT trained ``steps`` steps under ``jax.jit`` and under ``ooc_jit`` at a third of
-    its state, on the same state and batch."""
+def end_to_end_cases():
+    """``(name, layers, step, state, batch, budget)``: the scaled GPT at a third of its state, and the
+    decoder written four ways (``examples.decoders``) at WAYS_SHARE of theirs."""
+    model = END_TO_END_MODEL
     gpt = Transformer(
         vocab=model["vocab"], width=model["width"], heads=model["heads"], layers=model["layers"], causal=True
     )
     optimizer = optax.adamw(1e-4)
-    step_fn = next_token_step(gpt, optimizer)
 
     def init(key):
         params = gpt.init(key, jnp.zeros((1, model["seq"]), jnp.int32))
@@ -161,29 +164,42 @@ def end_to_end(model: dict, steps: int = 3) -> dict:
 
     state = jax.jit(init)(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (model["batch"], model["seq"] + 1), 0, model["vocab"])
-    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    budget = state_bytes // 3
+    name = f"gpt {model['layers']}x{model['width']}"
+    yield name, model["layers"], next_token_step(gpt, optimizer), state, tokens, _state_bytes(state) // 3
+    for way in WAYS:
+        step, state, batch = decoder_case(way, WAYS_LAYERS)
+        yield way, WAYS_LAYERS, step, state, batch, int(_state_bytes(state) * WAYS_SHARE)
+
+
+def _state_bytes(state) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(state))
+
+
+def end_to_end(name: str, layers: int, step_fn, state, batch, budget: int, steps: int = 3) -> dict:
+    """``steps`` steps under ``jax.jit`` and under ``ooc_jit`` at ``budget``, from the same state."""
     expected, carried = [], jax.tree.map(lambda x: x.copy(), state)
     jitted = jax.jit(step_fn)
     for _ in range(steps):
-        state, loss = jitted(state, tokens)
+        state, loss = jitted(state, batch)
         expected.append(float(loss))
     ooc = ooc_jit(step_fn, budget=budget, donate_argnums=(0,))
     started = time.perf_counter()
-    plan = ooc.plan(carried, tokens)
+    plan = ooc.plan(carried, batch)
     plan_seconds = time.perf_counter() - started
     losses = []
     with copies_counted() as moved:
         for _ in range(steps):
-            carried, loss = ooc(carried, tokens)
+            carried, loss = ooc(carried, batch)
             losses.append(float(loss))
     (planner,) = ooc._planners.values()
     return dict(
-        model=model,
+        name=name,
+        layers=layers,
         steps=steps,
-        state_bytes=state_bytes,
+        state_bytes=_state_bytes(carried),
         budget_bytes=budget,
         host_kept_bytes=sum(h.nbytes for h in plan.host_inputs),
+        strategy=plan.schedule.strategy,
         jit_losses=expected,
         ooc_losses=losses,
         largest_relative_difference=max(abs(a - b) / abs(b) for a, b in zip(losses, expected)),
@@ -193,20 +209,20 @@ def end_to_end(model: dict, steps: int = 3) -> dict:
         copied_to_device_bytes=moved["device"],
         copied_back_bytes=moved["pinned_host"],
         segments=len(plan.segments),
-        segments_per_layer=len(plan.segments) / model["layers"],
+        segments_per_layer=len(plan.segments) / layers,
         distinct_programs=len({id(p) for p in planner.built.programs}),
         plan_seconds=plan_seconds,
     )
 
 
 def show_end_to_end(row: dict) -> None:
-    mib = 2**20
+    kib = 2**10
     print(
-        f"{row['model']['layers']} layers x {row['model']['width']}: state {row['state_bytes'] / mib:.1f} MiB, budget "
-        f"{row['budget_bytes'] / mib:.1f} MiB, {row['host_kept_bytes'] / mib:.1f} MiB kept on host\n"
+        f"{row['name']}: state {row['state_bytes'] / kib:.0f} KiB, budget {row['budget_bytes'] / kib:.0f} KiB, "
+        f"{row['host_kept_bytes'] / kib:.0f} KiB kept on host ({row['strategy']})\n"
         f"  losses, jax.jit: {row['jit_losses']}\n  losses, ooc_jit: {row['ooc_losses']} "
         f"(largest relative difference {row['largest_relative_difference']:.1e})\n"
-        f"  executed peak {row['executed_peak_bytes'] / mib:.1f} MiB, budget {row['budget_bytes'] / mib:.1f} MiB\n"
+        f"  executed peak {row['executed_peak_bytes'] / kib:.0f} KiB, budget {row['budget_bytes'] / kib:.0f} KiB\n"
         f"  copied in {row['steps']} steps: to the device {row['copied_to_device_bytes']} B (plan: "
         f"{row['planned_to_device_bytes']} B), back {row['copied_back_bytes']} B "
         f"(plan: {row['planned_back_bytes']} B)\n"
@@ -251,10 +267,12 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.end_to_end:
-        row = end_to_end(END_TO_END_MODEL)
-        show_end_to_end(row)
+        rows = []
+        for case in end_to_end_cases():
+            rows.append(end_to_end(*case))
+            show_end_to_end(rows[-1])
         if args.out:
-            record = dict(benchmark="state_offload_end_to_end") | row | machine()
+            record = dict(benchmark="state_offload_end_to_end", gpt=END_TO_END_MODEL, rows=rows) | machine()
             Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
             print(f"wrote {args.out}")
         return
