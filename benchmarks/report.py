@@ -456,7 +456,7 @@ def _state_offload_run_lines(name: str, r: dict) -> list[str]:
             f"{row['name']} ({row['layers']} layers, state {row['state_bytes'] / 2**20:.2f} MiB, budget "
             f"{row['budget_bytes'] / row['state_bytes']:.2f} of it, {row['strategy']}): losses "
             f"{'equal to' if difference == 0 else f'within {difference:.1e} of'} `jax.jit`'s, executed peak "
-            f"{row['executed_peak_bytes'] / row['budget_bytes']:.2f} of the budget, copies "
+            f"{row['executed_peak_bytes'] / row['budget_bytes']:.1%} of the budget, copies "
             f"{'equal to' if copied == planned else 'NOT equal to'} the plan's, "
             f"{row['segments_per_layer']:.1f} segments per layer, {row['distinct_programs']} distinct programs"
         )
