@@ -64,7 +64,7 @@ def _inputs_kept_on_device(program: Program, schedule: Schedule) -> set[int]:
     dropped (no added bytes) is always kept. An input whose output the plan returns on host stays
     on host with it."""
     last_step = len(program.steps) - 1
-    aliased_output = {buf.aliased_input: b for b, buf in enumerate(program.buffers) if buf.aliased_input is not None}
+    aliased_output = program.replaced_by
     candidates = []  # (added byte-steps per byte saved, buffer, the steps it would add its bytes to)
     for b in schedule.host_inputs:
         output = aliased_output.get(b)
@@ -125,7 +125,7 @@ def resident_candidates(
     fetches = {b: len(schedule.prefetches_by_buffer.get(b, ())) for b in schedule.host_inputs}
     if program.donated_bytes <= budget_bytes or max(fetches.values(), default=0) < 2:
         return []
-    replaced_by = {buf.aliased_input: b for b, buf in enumerate(program.buffers) if buf.aliased_input is not None}
+    replaced_by = program.replaced_by
     ranked = sorted((b for b, n in fetches.items() if n), key=lambda b: (-fetches[b], b))
     room = budget_bytes - max(required_bytes(program, min_offload_bytes), default=0)
     candidates: list[frozenset[int]] = []

@@ -117,6 +117,13 @@ class Schedule:
             returned_on_device=program.buffers[b].is_output and b not in self.host_outputs,
         )
 
+    @cached_property
+    def copy_steps(self) -> frozenset[int]:
+        """The steps before which the executor stops to copy: each prefetch's issue step and each
+        step an offload must be done before. Each is a cut between compiled programs."""
+        waits = (m.done_before_step for m in self.offloads if m.done_before_step is not None)
+        return frozenset((*(m.issue_step for m in self.prefetches), *waits))
+
     def moved_bytes(self, program: Program) -> int:
         """Bytes its copies move, both ways together."""
         return sum(program.buffers[m.buffer].nbytes for m in self.moves)

@@ -132,6 +132,11 @@ class Program:
         return sum(b.nbytes for b in self.buffers if b.kind == "input" and b.donated)
 
     @cached_property
+    def replaced_by(self) -> dict[int, int]:
+        """Per donated input that an output replaces (``Buffer.aliased_input``), that output."""
+        return {buf.aliased_input: b for b, buf in enumerate(self.buffers) if buf.aliased_input is not None}
+
+    @cached_property
     def uses(self) -> Uses:
         """Where each buffer is defined and read (computed once)."""
         return Uses.of(self)

@@ -146,9 +146,3 @@ def plan_in_ranges(
     ranges = ranges_within(program, int(share * budget_bytes))
     coarse, ids = coarse_program(program, ranges)
     return refined(program, plan(coarse, budget_bytes), ranges, ids)
-
-
-def boundaries(schedule: Schedule) -> int:
-    """Steps before which the executor must stop to copy: each a cut between compiled programs."""
-    issued = {m.issue_step for m in schedule.prefetches}
-    return len(issued | {m.done_before_step for m in schedule.offloads if m.done_before_step is not None})

@@ -333,8 +333,7 @@ def cut_segments(
     if n == 0:
         return ()
     cutter = _Segmenter(program, schedule)
-    cuts = {0, *(m.issue_step for m in schedule.prefetches)}
-    cuts |= {m.done_before_step for m in schedule.offloads if m.done_before_step is not None}
+    cuts = {0, *schedule.copy_steps}
     if min_segments > 1:
         cuts |= {n * i // min_segments for i in range(min_segments)}
     hard = frozenset(cut_before) | layer_cuts(program, layers, min_segment_flops)

@@ -42,7 +42,7 @@ from oocjax.schedule.feasibility import check_feasible
 from oocjax.schedule.homes import resident_candidates, settle_homes
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.program import Program, held_for_whole_step
-from oocjax.schedule.ranges import boundaries, plan_in_ranges
+from oocjax.schedule.ranges import plan_in_ranges
 from oocjax.schedule.simulate import simulate
 from oocjax.schedule.units import MiB, format_bytes
 
@@ -115,7 +115,7 @@ BOUNDARY_BYTES = 70 * 10**6
 
 def _cheapest(program: Program, plans: list[Schedule]) -> Schedule:
     """The plan whose copies (each way: half of both) and boundaries cost the least link time."""
-    return min(plans, key=lambda plan: plan.moved_bytes(program) // 2 + boundaries(plan) * BOUNDARY_BYTES)
+    return min(plans, key=lambda plan: plan.moved_bytes(program) // 2 + len(plan.copy_steps) * BOUNDARY_BYTES)
 
 
 def _plan_checked(program: Program, budget_bytes: int, window: int, min_offload_bytes: int) -> Schedule:
