@@ -96,7 +96,7 @@ def agreed_across_processes(budget_bytes: int, options: PlannerOptions) -> tuple
         return budget_bytes, options
     from jax.experimental import multihost_utils
 
-    measure_profile()
+    measure_profile(within_bytes=budget_bytes)
     host = options.host_budget
     if host is None:
         host = int((available_host_bytes() or 0) * (1 - HOST_MARGIN))  # 0: unknown somewhere, no check

@@ -318,7 +318,8 @@ def _choose(
 ) -> HybridPlan:
     """The first plan of a budget: swap only, or recompute and swap (``schedule.plan_hybrid``), timed
     with the device's measured rates (measured once per process)."""
-    profile = measure_profile()  # swap-only plans are timed too: the plan says how fast either would run
+    # Swap-only plans are timed too: the plan says how fast either would run. The probes fit the budget.
+    profile = measure_profile(within_bytes=budget.user_bytes)
     backward = [a for a, _, kind in runs if kind.startswith("transpose")]
     blocks = tuple((a, y) for a, y, kind in runs if backward and not kind.startswith("transpose") and y <= backward[0])
     try:

@@ -76,6 +76,37 @@ def test_the_measured_profile_is_measured_once_per_device_kind(monkeypatch):
         measure_profile(refresh=True)  # the probes it would have measured with
 
 
+class _Accelerator:
+    """A device as ``ProbeSizes`` sees one: its platform and its allocator's limit."""
+
+    platform, device_kind = "gpu", "NVIDIA H200"
+
+    def memory_stats(self):
+        return {"bytes_limit": 139 * 2**30}
+
+
+@pytest.mark.parametrize("budget_gib", [None, 14, 4, 0.25])
+def test_an_accelerators_probes_hold_at_most_an_eighth_of_the_budget_and_do_the_same_work(budget_gib):
+    budget = None if budget_gib is None else int(budget_gib * 2**30)
+    sizes = calibrate.ProbeSizes.for_device(_Accelerator(), budget)
+    matmul_bytes = 3 * sizes.matmul_n**2 * 4  # the matrix, a product, the next product
+    elementwise_bytes = 3 * sizes.elementwise_bytes  # the array, a result, the next result
+    room = 139 * 2**30 // 8 if budget is None else budget // 8
+    assert max(matmul_bytes, elementwise_bytes, sizes.copy_bytes[1]) <= room
+    assert sizes.matmul_repeats * sizes.matmul_n**3 == 8192**3  # a product of two 8192 x 8192 matrices
+    assert 2 * 2**30 <= sizes.elementwise_repeats * sizes.elementwise_bytes < 2 * 2**30 + sizes.elementwise_bytes
+    assert sizes.copy_bytes[0] < sizes.copy_bytes[1]
+
+
+def test_repeated_probes_measure_the_rates_of_one_large_probe_on_this_cpu():
+    """The products and passes in a row are the work the rates count: on the CPU the matrix product
+    repeated measures within a factor of two of the same product made once (a fused pass, alike)."""
+    device = jax.devices()[0]
+    once = calibrate._matmul_rate(device, 256, 1, 0.2)
+    repeated = calibrate._matmul_rate(device, 256, 8, 0.2)
+    assert 0.5 < repeated / once < 2
+
+
 def test_a_link_fit_through_two_exact_copies_recovers_latency_and_bandwidth():
     fit = LinkFit.through((MiB, 2e-4 + MiB / 40e9), (64 * MiB, 2e-4 + 64 * MiB / 40e9))
     assert fit.bytes_per_s == pytest.approx(40e9) and fit.latency_s == pytest.approx(2e-4)

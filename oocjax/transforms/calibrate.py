@@ -44,26 +44,41 @@ class ProbeSizes:
     """How big the timed operations are on one device.
 
     Attributes:
-      matmul_n: side of the square float32 matmul (a few milliseconds of work).
+      matmul_n: side of the square float32 matrices multiplied.
+      matmul_repeats: products timed back to back, each on the last one's result.
       elementwise_bytes: size of the float32 array an element-wise op reads (and writes as much).
+      elementwise_repeats: passes timed back to back, each over the last one's result.
       copy_bytes: the two copy sizes the link's latency and bandwidth are fitted from.
     """
 
     matmul_n: int
+    matmul_repeats: int = 1
     elementwise_bytes: int
+    elementwise_repeats: int = 1
     copy_bytes: tuple[int, int]
 
     @classmethod
-    def for_device(cls, device: Any) -> ProbeSizes:
+    def for_device(cls, device: Any, within_bytes: int | None = None) -> ProbeSizes:
         """Sizes for ``device``. A CPU keeps them cache- and page-fault-friendly (a 64 MiB result
-        is written at a third of the 16 MiB rate there, for fresh pages); an accelerator gets work
-        long enough to time, within a small share of its memory."""
+        is written at a third of the 16 MiB rate there, for fresh pages). An accelerator gets a few
+        milliseconds of work per timed call (a product of two 8192 x 8192 matrices, 4 GiB read and
+        written), made of repeated smaller operations where they must fit ``within_bytes``: the
+        budget of the step about to be planned, of which the probes hold an eighth at most, so that
+        measuring the device does not raise its peak above that budget (the 2 GiB array an H200's
+        memory probe held took a 4 GiB step's peak to 4.10 GiB)."""
         if device.platform == "cpu":
             return cls(matmul_n=512, elementwise_bytes=16 * MiB, copy_bytes=(MiB, 16 * MiB))
         limit = (device.memory_stats() or {}).get("bytes_limit", 16 * _GiB)
-        n = 8192 if limit // 8 >= 3 * 8192**2 * 4 else 4096  # three n x n float32 arrays
-        # 2 GiB read and 2 GiB written take about a millisecond at 3-5 TB/s: long enough to time.
-        return cls(matmul_n=n, elementwise_bytes=min(2 * _GiB, limit // 32), copy_bytes=(MiB, 64 * MiB))
+        room = limit // 8 if within_bytes is None else min(limit // 8, within_bytes // 8)
+        n = next((n for n in (8192, 4096, 2048, 1024) if 3 * n * n * 4 <= room), 512)  # a, a product, the next
+        elementwise = max(MiB, min(2 * _GiB, room // 3) // MiB * MiB)  # an input, its result, the next result
+        return cls(
+            matmul_n=n,
+            matmul_repeats=(8192 // n) ** 3,
+            elementwise_bytes=elementwise,
+            elementwise_repeats=-(-2 * _GiB // elementwise),
+            copy_bytes=(MiB, max(2 * MiB, min(64 * MiB, room // 2 // MiB * MiB))),
+        )
 
 
 def default_profile(device: Any = None) -> DeviceProfile:
@@ -80,7 +95,9 @@ def default_profile(device: Any = None) -> DeviceProfile:
     return DEFAULT_PROFILE
 
 
-def measure_profile(device: Any = None, *, budget_s: float = 1.0, refresh: bool = False) -> DeviceProfile:
+def measure_profile(
+    device: Any = None, *, budget_s: float = 1.0, refresh: bool = False, within_bytes: int | None = None
+) -> DeviceProfile:
     """The rates of ``device`` (default: the first device), measured once per device kind.
 
     Times, best of a few calls each: a jitted float32 matmul at the default precision, as a
@@ -97,6 +114,8 @@ def measure_profile(device: Any = None, *, budget_s: float = 1.0, refresh: bool 
       budget_s: seconds of repeated timing allowed beyond compiling (split over the four
         measurements; each still runs at least twice).
       refresh: measure again even if this process already measured this kind of device.
+      within_bytes: device memory the probes must fit in (a step's budget): they hold an eighth
+        of it at most (``ProbeSizes.for_device``).
 
     >>> profile = measure_profile()
     >>> profile.flops_per_s > 0 and profile.h2d_latency_s >= 0 and measure_profile() is profile
@@ -106,13 +125,13 @@ def measure_profile(device: Any = None, *, budget_s: float = 1.0, refresh: bool 
     key = (device.platform, device.device_kind)
     if key in _MEASURED and not refresh:
         return _MEASURED[key]
-    sizes, share = ProbeSizes.for_device(device), budget_s / 4
+    sizes, share = ProbeSizes.for_device(device, within_bytes), budget_s / 4
     # One device's rates, measured on that device alone: a mesh the caller set (jax.set_mesh) would
     # refuse these one-device arrays.
     with _on_device_alone(device):
         d2h, h2d = _link_fits(device, sizes.copy_bytes, share)
-        flops_per_s = _matmul_rate(device, sizes.matmul_n, share)
-        hbm_bytes_per_s = _memory_rate(device, sizes.elementwise_bytes, share)
+        flops_per_s = _matmul_rate(device, sizes.matmul_n, sizes.matmul_repeats, share)
+        hbm_bytes_per_s = _memory_rate(device, sizes.elementwise_bytes, sizes.elementwise_repeats, share)
     measured = replace(
         default_profile(device),
         name=f"measured {device.device_kind}",
@@ -182,16 +201,24 @@ def _best_seconds(call: Callable[[], Any], budget_s: float, *, least: int = 2, m
     return best
 
 
-def _matmul_rate(device: Any, n: int, budget_s: float) -> float:
-    a = jax.device_put(np.ones((n, n), np.float32), device)
+def _matmul_rate(device: Any, n: int, repeats: int, budget_s: float) -> float:
+    a = jax.device_put(np.full((n, n), 1 / n, np.float32), device)  # a @ a == a: repeated products stay finite
     matmul = jax.jit(jnp.matmul)
-    return 2 * n**3 / _best_seconds(lambda: matmul(a, a), budget_s)
+    return 2 * n**3 * repeats / _best_seconds(lambda: _repeated(lambda x: matmul(x, a), a, repeats), budget_s)
 
 
-def _memory_rate(device: Any, nbytes: int, budget_s: float) -> float:
+def _memory_rate(device: Any, nbytes: int, repeats: int, budget_s: float) -> float:
     x = jax.device_put(np.ones((nbytes // 4,), np.float32), device)
-    scale = jax.jit(lambda v: v * 2.0 + 1.0)  # one fused loop: reads and writes each element once
-    return 2 * x.nbytes / _best_seconds(lambda: scale(x), budget_s)
+    halve = jax.jit(lambda v: v * 0.5 + 0.5)  # one fused loop: reads and writes each element once; ones stay ones
+    return 2 * x.nbytes * repeats / _best_seconds(lambda: _repeated(halve, x, repeats), budget_s)
+
+
+def _repeated(function: Callable[[Any], Any], x: Any, repeats: int) -> Any:
+    """``function`` applied ``repeats`` times, each on the last result: enqueued back to back, the
+    device runs them without waiting for the host, and each result frees the one before."""
+    for _ in range(repeats):
+        x = function(x)
+    return x
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
