@@ -11,11 +11,11 @@ raises the device's peak before an earlier one is read:
    ``ooc_jit(step, budget=..., donate_argnums=(0,))`` with its defaults: the first call (trace,
    plan, compile, run) and the plans it made, the losses of the first steps, the median time of the
    timed steps, the bytes the executor copied each way per step against the plan's, and the device's
-   ``peak_bytes_in_use`` against the budget.
+   ``peak_bytes_in_use`` against the budget (read after the init too: the init's plan measures the
+   device's rates first), and the times of the last step's launches.
 3. **``jax.jit`` in device memory**, from the same initial state (``jax.jit(init)``): the plain step
    (its time is the compute floor), then every block in ``nn.remat`` (nothing saved). Their losses
-   and step times, and the step's FLOPs by XLA's cost analysis of the plain step (the model TFLOP/s
-   of every run divides it).
+   and step times. Every run's model TFLOP/s divide the same count (``model_flops``).
 
 ``peak_bytes_in_use`` is the process's peak so far: each row's is its own where it is above the
 rows' before it (the remat run's is below the plain one's, so it is not measured).
@@ -52,6 +52,7 @@ from benchmarks._machine import machine
 from benchmarks.state_offload import BUDGETS_GIB, DRY_MODEL, MODEL, copies_counted
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
+from oocjax.transforms.execute import observe_segments
 
 GIB = 2**30
 FLOOR_TARGETS = {4: 1.5, 14: 1.3}  # step time over max(transfer floor, compute floor)
@@ -133,9 +134,13 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
     init_s = time.perf_counter() - started
     step = ooc_jit(step_fn, budget=budget, donate_argnums=(0,))
     row = dict(budget_bytes=budget, init_s=init_s, state_bytes=sum(x.nbytes for x in jax.tree.leaves(state)))
+    row["peak_after_init_bytes"] = peak_bytes()
     state, losses, first_s, _ = steps_run(step, state, tokens, loss_steps, 0, True)
-    with copies_counted() as moved:
+    launches: list[tuple[int, float]] = []  # (segment, when): the last step's are kept
+    with copies_counted() as moved, observe_segments(lambda at: launches.append((at.segment, time.perf_counter()))):
         state, more, _, timed = steps_run(step, state, tokens, 1, timed_steps, False)
+    last = max(i for i, (segment, _) in enumerate(launches) if segment == 0)
+    row["last_step_launch_ms"] = [round((t - launches[last][1]) * 1e3, 3) for _, t in launches[last:]]
     plan = step.plan(state, tokens)
     (planner,) = step._planners.values()
     per_step = timed_steps + 1
@@ -178,7 +183,7 @@ def jit_run(model: dict, key, tokens, remat: bool, loss_steps: int, timed_steps:
     row = dict(
         remat=remat,
         compile_s=compile_s,
-        flops=cost.get("flops") if cost else None,
+        xla_flops=cost.get("flops") if cost else None,
         temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
         losses=losses,
         timed_s=timed,
@@ -190,13 +195,21 @@ def jit_run(model: dict, key, tokens, remat: bool, loss_steps: int, timed_steps:
     return row
 
 
+def model_flops(model: dict, parameters: int) -> int:
+    """A step's model FLOPs: 6 per parameter and token (the forward pass and the backward's two
+    products), and the attention's scores and weighted sums, 12 x layers x batch x seq^2 x width
+    (every position against every other: the model materialises the whole score matrix).
+    Recomputation is not counted: the TFLOP/s divide the same work for every run. XLA's own count
+    (``cost_analysis``) leaves out the matrix products a GPU hands to cuBLAS."""
+    tokens = model["batch"] * model["seq"]
+    return 6 * parameters * tokens + 12 * model["layers"] * tokens * model["seq"] * model["width"]
+
+
 def floors(record: dict) -> None:
     """Per ``ooc_jit`` row: the transfer floor, the compute floor and the step time against their max;
     every run's model TFLOP/s."""
-    rates, flops = record.get("link"), None
+    rates, flops = record.get("link"), record.get("model_flops")
     plain = next((r for r in record["jax_jit"] if not r["remat"] and "s_per_step" in r), None)
-    if plain:
-        flops = plain["flops"]
     for row in record["jax_jit"] + record["ooc_jit"]:
         if flops and "s_per_step" in row:
             row["model_TFLOP_per_s"] = flops / row["s_per_step"] / 1e12
@@ -243,7 +256,8 @@ def show(record: dict) -> None:
         )
         print(
             f"{name}: {r['s_per_step'] * 1e3:.0f} ms a step = {floor}, {r.get('model_TFLOP_per_s', 0):.0f} TFLOP/s;"
-            f" peak {(r['peak_bytes_in_use'] or 0) / GIB:.2f} GiB; first call {r['first_call_s']:.0f} s "
+            f" peak {(r['peak_bytes_in_use'] or 0) / GIB:.2f} GiB (after the init "
+            f"{(r.get('peak_after_init_bytes') or 0) / GIB:.2f}); first call {r['first_call_s']:.0f} s "
             f"({r['plans_in_first_call']} plans), state made in {r['init_s']:.0f} s; {r['segments']} segments "
             f"({r['segments_per_layer']:.1f} per layer, {r['distinct_programs']} programs, {r['strategy']}); "
             f"copied a step {r['copied_to_device_bytes'] / GIB:.2f} GiB in "
@@ -265,6 +279,7 @@ def main() -> None:
     parser.add_argument("--timed-steps", type=int, default=3)
     parser.add_argument("--deadline", type=float, default=480, help="seconds; a run that would start later is skipped")
     parser.add_argument("--reserve", type=float, default=60, help="seconds left for each run, at least")
+    parser.add_argument("--jit", default="plain,remat", help="the jax.jit runs, in the order run")
     args = parser.parse_args()
     began = time.perf_counter()
     model = DRY_MODEL if args.dry_run else MODEL
@@ -296,7 +311,10 @@ def main() -> None:
     key = jax.random.key(0)
     tokens = jax.random.randint(jax.random.key(1), (model["batch"], model["seq"] + 1), 0, model["vocab"])
     init, _ = gpt(model)
-    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(init, key)))
+    shapes = jax.eval_shape(init, key)
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    record["parameters"] = sum(x.size for x in jax.tree.leaves(shapes[0]))
+    record["model_flops"] = model_flops(model, record["parameters"])
     gibs = [float(g) for g in args.budgets.split(",")]
     scale = state_bytes / (15.0 * GIB) if args.dry_run else 1.0  # the dry run keeps the GPU's state/budget ratio
     make = ooc_jit(init, budget=int(min(gibs) * GIB * scale))  # the state, made within the smallest budget
@@ -311,7 +329,7 @@ def main() -> None:
         record["ooc_jit"].append(row | dict(gib=gib))
         save()
         show(dict(ooc_jit=[record["ooc_jit"][-1]], jax_jit=[]))
-    for remat in (False, True):
+    for remat in [name == "remat" for name in args.jit.split(",") if name]:
         if not in_time(f"jax.jit remat={remat}"):
             continue
         print(f"{time.perf_counter() - began:.0f} s: jax.jit, remat={remat}", flush=True)
