@@ -33,6 +33,7 @@ the compute floor is plain ``jax.jit``'s step time. Issue 31's targets: at most 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -52,6 +53,7 @@ from benchmarks._machine import machine
 from benchmarks.state_offload import BUDGETS_GIB, DRY_MODEL, MODEL, copies_counted
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
+from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.execute import observe_segments
 
 GIB = 2**30
@@ -329,6 +331,7 @@ def main() -> None:
         record["ooc_jit"].append(row | dict(gib=gib))
         save()
         show(dict(ooc_jit=[record["ooc_jit"][-1]], jax_jit=[]))
+    record["profile"] = dataclasses.asdict(measure_profile())  # as the plans measured it (cached)
     for remat in [name == "remat" for name in args.jit.split(",") if name]:
         if not in_time(f"jax.jit remat={remat}"):
             continue
