@@ -138,11 +138,19 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
     row = dict(budget_bytes=budget, init_s=init_s, state_bytes=sum(x.nbytes for x in jax.tree.leaves(state)))
     row["peak_after_init_bytes"] = peak_bytes()
     state, losses, first_s, _ = steps_run(step, state, tokens, loss_steps, 0, True)
-    launches: list[tuple[int, float]] = []  # (segment, when): the last step's are kept
-    with copies_counted() as moved, observe_segments(lambda at: launches.append((at.segment, time.perf_counter()))):
+    row["peak_after_first_steps_bytes"] = peak_bytes()
+    launches: list[tuple[float, object]] = []  # (when, the executor's account): the last step's are kept
+    with copies_counted() as moved, observe_segments(lambda at: launches.append((time.perf_counter(), at))):
         state, more, _, timed = steps_run(step, state, tokens, 1, timed_steps, False)
-    last = max(i for i, (segment, _) in enumerate(launches) if segment == 0)
-    row["last_step_launch_ms"] = [round((t - launches[last][1]) * 1e3, 3) for _, t in launches[last:]]
+    last = max(i for i, (_, at) in enumerate(launches) if at.segment == 0)
+    row["last_step_launch_ms"] = [round((t - launches[last][0]) * 1e3, 3) for t, _ in launches[last:]]
+    # Per launch of the last step: the allocator's count, what the executor holds and has in flight,
+    # and what the launch allocates; a peak above the budget is where these do not add up.
+    row["last_step_launches"] = [
+        (at.allocator_bytes, at.held_bytes, at.in_flight_bytes, at.cost.launch_bytes) for _, at in launches[last:]
+    ]
+    executor = step._planners[next(iter(step._planners))].built.executor
+    row |= dict(measured_peak_bytes=executor.measured_peak_bytes, foreign_bytes=executor.memory.foreign_bytes)
     plan = step.plan(state, tokens)
     (planner,) = step._planners.values()
     per_step = timed_steps + 1
