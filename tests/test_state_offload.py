@@ -110,6 +110,18 @@ def test_donated_state_on_host_is_deleted_at_its_last_prefetch_and_the_plan_coun
     assert plan.host_peak_bytes <= 1.3 * kept_bytes
 
 
+def test_results_the_caller_moves_to_host_and_drops_leave_nothing_on_the_device():
+    """The executor polls a call's last results to know when its work is done; it must not keep
+    them alive after the call (an H200 step found another wrapper's 250 MiB result still there)."""
+    _, init, _ = gpt_parts()
+    key = jax.random.key(0)
+    make = ooc_jit(init, budget=state_bytes(jax.eval_shape(init, key)) // 3, min_offload_bytes=4096)
+    state = to_host(make(key))
+    assert all(x.sharding.memory_kind == "pinned_host" for x in jax.tree.leaves(state))
+    on_device = [x for x in jax.live_arrays() if x.sharding.memory_kind == "device" and not x.is_deleted()]
+    assert sum(x.nbytes for x in on_device) < 4096, [x.shape for x in on_device]  # the key, the step count
+
+
 def test_state_larger_than_the_budget_is_made_by_an_ooc_jit_init_with_what_does_not_fit_on_host():
     _, init, _ = gpt_parts()
     key = jax.random.key(0)

@@ -27,6 +27,7 @@ what the launch allocates is over the budget, until nothing is left to wait on.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,8 +79,10 @@ class DeviceMemory:
         self.budget_bytes, self.stream_ordered = budget_bytes, stream_ordered
         self.bytes_in_use = bytes_in_use
         self.pending_bytes = 0
-        self.pending: deque[list] = deque()  # [ready probe or None, bytes], oldest first
-        self.latest_launch: Any = None  # ready once the last launch is done, so are its deferred frees
+        # Probes are held weakly: a result the caller dropped after the call must not stay on the
+        # device (an H200 step found a 250 MiB result of another wrapper's last call still there).
+        self.pending: deque[list] = deque()  # [weak ready probe or None, bytes], oldest first
+        self.latest_launch: Any = None  # weakly, ready once the last launch is done, so are its deferred frees
         self.foreign_bytes = 0
         self.allocator_bytes: int | None = None  # the gate's last reading
         self.start_call()
@@ -132,7 +135,7 @@ class DeviceMemory:
             for x in deleted:
                 x.delete()
         if freed > 0 and probe is not None and (copied or not self.stream_ordered):
-            self.pending.append([probe, freed])
+            self.pending.append([_weak(probe), freed])
             self.pending_bytes += freed
 
     def consumed(self, donated: Sequence[Any], probe: Any) -> None:
@@ -140,14 +143,14 @@ class DeviceMemory:
         (a result of that later launch, which ends after them)."""
         gone = {id(x) for x in donated}
         for entry in self.pending:
-            if id(entry[0]) in gone:
-                entry[0] = probe
-        if id(self.latest_launch) in gone:
-            self.latest_launch = probe
+            if id(_target(entry[0])) in gone:
+                entry[0] = _weak(probe)
+        if id(_target(self.latest_launch)) in gone:
+            self.latest_launch = _weak(probe)
 
     def launched(self, probe: Any) -> None:
         """A segment was launched; ``probe`` is ready once it is done."""
-        self.latest_launch = probe
+        self.latest_launch = _weak(probe)
 
     def count_foreign(self) -> None:
         """Takes what the allocator has in use beyond the executor's account, at the start of a call
@@ -169,7 +172,7 @@ class DeviceMemory:
             if self.pending:
                 self._wait_oldest()
             elif self.latest_launch is not None and not self.stream_ordered:
-                self.block(self.latest_launch)  # its outputs' and the released arrays' frees happen after it
+                self.block(_target(self.latest_launch))  # its outputs' and the released arrays' frees happen after it
                 self.latest_launch = None
             else:
                 return  # nothing left to wait on
@@ -179,7 +182,7 @@ class DeviceMemory:
         try:
             while self.pending:
                 self._wait_oldest()
-            _wait(self.latest_launch)
+            _wait(_target(self.latest_launch))
         finally:
             self.pending.clear()
             self.pending_bytes, self.latest_launch = 0, None
@@ -188,7 +191,7 @@ class DeviceMemory:
         return self.bytes_in_use() if ALLOCATOR_GATE and self.bytes_in_use is not None else None
 
     def _forget_finished(self) -> None:
-        while self.pending and _finished(self.pending[0][0]):
+        while self.pending and _finished(_target(self.pending[0][0])):
             self._forget_oldest()
 
     def block(self, probe: Any) -> None:
@@ -201,7 +204,7 @@ class DeviceMemory:
         self.blocked_s += time.perf_counter() - started
 
     def _wait_oldest(self) -> None:
-        self.block(self.pending[0][0])
+        self.block(_target(self.pending[0][0]))
         self._forget_oldest()
 
     def _forget_oldest(self) -> None:
@@ -213,6 +216,16 @@ def ready_probe(values: Sequence[Any]) -> Any:
     """A value that is ready once the work that made ``values`` is done (None if none can tell: a
     typed random key cannot be polled)."""
     return next((x for x in values if hasattr(x, "is_ready")), None)
+
+
+def _weak(probe: Any) -> weakref.ref | None:
+    return None if probe is None else weakref.ref(probe)
+
+
+def _target(reference: weakref.ref | None) -> Any:
+    """The probe ``reference`` names; None once the caller dropped it (its memory is freed when the
+    work enqueued on it is done, as for a probe the caller deleted)."""
+    return None if reference is None else reference()
 
 
 def _finished(probe: Any) -> bool:
