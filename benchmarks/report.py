@@ -172,6 +172,8 @@ def section() -> str:
     for name, r in offload:
         if r["benchmark"] == "state_offload_end_to_end":
             lines += _state_offload_run_lines(name, r)
+    for name, r in state_offload_gpu_runs():
+        lines += _state_offload_gpu_lines(name, r)
     found = latest("simulated")
     if found:
         name, r = found
@@ -218,6 +220,7 @@ def table() -> str:
         found = latest(prefix)
         if found:
             rows.append(_with_moves_row(*found))
+    rows += [_state_offload_gpu_row(name, r) for name, r in state_offload_gpu_runs() if r["jax_jit"]]
     found = latest("first_call")
     if found:
         rows += _first_call_rows(*found)
@@ -463,6 +466,73 @@ def _state_offload_run_lines(name: str, r: dict) -> list[str]:
     return [
         f"**Training state larger than the budget, run** (`{name}`; {where(r)}; {r['rows'][0]['steps']} steps "
         f"each): {'; '.join(cells)}.",
+        "",
+    ]
+
+
+def state_offload_gpu_runs() -> list[tuple[str, dict]]:
+    return [(f.name, json.loads(f.read_text())) for f in sorted(RESULTS.glob("state_offload_gpu-*.json"))]
+
+
+def _state_offload_gpu_row(name: str, r: dict) -> str:
+    """A ``state_offload_gpu`` run's ``ooc_jit`` steps (state on host) against ``jax.jit`` in memory."""
+    by = {row["remat"]: row for row in r["jax_jit"] if "s_per_step" in row}
+    plain, remat = by.get(False), by.get(True)
+    rows = [row for row in r["ooc_jit"] if "s_per_step" in row]
+    what = (
+        f"{r['parameters'] / 1e9:.2f}B-parameter GPT training step, f32 AdamW state "
+        f"({rows[0]['state_bytes'] / 2**30:.1f} GiB) kept in host memory, at "
+        + " / ".join(f"{row['gib']:g} GiB" for row in rows)
+        + (f" (`jax.jit` holds it all, peak {_gib(plain['peak_bytes_in_use'])})" if plain else "")
+    )
+    ooc = " / ".join(f"{row['s_per_step'] / plain['s_per_step']:.2f}x" for row in rows) if plain else "-"
+    peaks = [_gib(row["peak_bytes_in_use"]) + _over(row) for row in rows]
+    ooc += " (peak " + " / ".join(peaks) + ")"
+    vs = f"`nothing_saveable` {remat['s_per_step'] / plain['s_per_step']:.2f}x" if plain and remat else "-"
+    return _row(what, name, r, ooc, vs)
+
+
+def _over(row: dict) -> str:
+    over = (row["peak_bytes_in_use"] or 0) - row["budget_bytes"]
+    return f", {over / 2**20:.0f} MiB over its budget" if over > 0 else ""
+
+
+def _state_offload_gpu_lines(name: str, r: dict) -> list[str]:
+    """One paragraph for a ``state_offload_gpu`` run: the link, each ``ooc_jit`` budget against its
+    floors, ``jax.jit`` and per-block remat in memory, and the run's note."""
+    link = r["link"]
+    parts = [
+        f"link {link['h2d_GB_per_s']:.1f} GB/s to the device, {link['d2h_GB_per_s']:.1f} GB/s back, "
+        f"{link['both_GB_per_s']:.1f} GB/s both at once"
+    ]
+    for row in r["jax_jit"]:
+        if "s_per_step" in row:
+            kind = "`jax.jit` with every block in `nn.remat`" if row["remat"] else "`jax.jit`"
+            parts.append(f"{kind} {_ms(row['s_per_step'])} a step, {row['model_TFLOP_per_s']:.0f} TFLOP/s")
+    for row in r["ooc_jit"]:
+        if "s_per_step" not in row:
+            parts.append(f"`ooc_jit` at {row['gib']:g} GiB: {row.get('error', 'not run')[:200]}")
+            continue
+        floor = (
+            f"{row['vs_floor']:.2f}x max(transfer floor {_ms(row['transfer_floor_s'])}, compute floor "
+            f"{_ms(row['compute_floor_s'])})"
+            if row.get("compute_floor_s")
+            else f"{row['s_per_step'] / row['transfer_floor_s']:.2f}x its transfer floor "
+            f"{_ms(row['transfer_floor_s'])} (no `jax.jit` run)"
+        )
+        copied = (row["copied_to_device_bytes"], row["copied_back_bytes"])
+        planned = (row["planned_to_device_bytes"], row["planned_back_bytes"])
+        parts.append(
+            f"`ooc_jit` at {row['gib']:g} GiB {_ms(row['s_per_step'])} a step = {floor}, "
+            f"{row['model_TFLOP_per_s']:.0f} TFLOP/s, peak {_gib(row['peak_bytes_in_use'])}{_over(row)}, "
+            f"{row['segments_per_layer']:.1f} segments per layer, {row['distinct_programs']} programs, "
+            f"{row['copied_to_device_bytes'] / 2**30:.2f} GiB in and {row['copied_back_bytes'] / 2**30:.2f} GiB back "
+            f"a step ({'equal to' if copied == planned else 'NOT equal to'} the plan's), first call "
+            f"{row['first_call_s']:.0f} s"
+        )
+    return [
+        f"**Training state larger than the device, on a GPU** (`{name}`; {r['device']}, {where(r)}; one process; "
+        f"{r['parameters'] / 1e9:.2f}B parameters): {'; '.join(parts)}. {r.get('run_note', '')}".rstrip(),
         "",
     ]
 
