@@ -225,3 +225,24 @@ def test_the_first_call_benchmark_counts_each_wrappers_compiles_and_cpu_time():
     assert ooc.compiles >= len({id(p) for p in planner.built.programs}) > 1
     assert 0 < jit.compile_seconds < jit.seconds and ooc.compile_seconds > 0
     assert jit.cpu_seconds > 0 and ooc.cpu_seconds > 0
+
+
+def test_a_gpu_state_offload_step_is_measured_against_the_slower_of_its_link_floor_and_jax_jits_step():
+    from benchmarks.state_offload_gpu import floors, model_flops
+
+    gb = 1e9
+    record = dict(
+        link=dict(h2d_GB_per_s=50.0, d2h_GB_per_s=40.0, both_GB_per_s=60.0),
+        model_flops=model_flops(dict(batch=2, seq=4, layers=3, width=8), parameters=100),
+        jax_jit=[dict(remat=True, s_per_step=0.5), dict(remat=False, s_per_step=0.4)],
+        ooc_jit=[
+            dict(host_kept_bytes=10 * gb, returned_to_host_bytes=10 * gb, s_per_step=0.6),  # both at once: 1/3 s
+            dict(host_kept_bytes=30 * gb, returned_to_host_bytes=0, s_per_step=0.9),  # to the device: 0.6 s
+        ],
+    )
+    floors(record)
+    assert record["model_flops"] == 6 * 100 * 8 + 12 * 3 * 8 * 4 * 8
+    first, second = record["ooc_jit"]
+    assert first["transfer_floor_s"] == pytest.approx(1 / 3) and first["vs_floor"] == pytest.approx(0.6 / 0.4)
+    assert second["transfer_floor_s"] == pytest.approx(0.6) and second["vs_floor"] == pytest.approx(0.9 / 0.6)
+    assert record["jax_jit"][0]["model_TFLOP_per_s"] == pytest.approx(record["model_flops"] / 0.5 / 1e12)
