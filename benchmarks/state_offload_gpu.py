@@ -12,7 +12,8 @@ raises the device's peak before an earlier one is read:
    plan, compile, run) and the plans it made, the losses of the first steps, the median time of the
    timed steps, the bytes the executor copied each way per step against the plan's, and the device's
    ``peak_bytes_in_use`` against the budget (read after the init too: the init's plan measures the
-   device's rates first), and the times of the last step's launches.
+   device's rates first), and per launch of the last step its time, the host's waits before it, the
+   chain's operations before it and the executor's account (to find where a step's time goes).
 3. **``jax.jit`` in device memory**, from the same initial state (``jax.jit(init)``): the plain step
    (its time is the compute floor), then every block in ``nn.remat`` (nothing saved). Their losses
    and step times. Every run's model TFLOP/s divide the same count (``model_flops``).
@@ -139,17 +140,29 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
     row["peak_after_init_bytes"] = peak_bytes()
     state, losses, first_s, _ = steps_run(step, state, tokens, loss_steps, 0, True)
     row["peak_after_first_steps_bytes"] = peak_bytes()
-    launches: list[tuple[float, object]] = []  # (when, the executor's account): the last step's are kept
-    with copies_counted() as moved, observe_segments(lambda at: launches.append((time.perf_counter(), at))):
+    launches: list[tuple] = []  # (when, the executor's account, its waits so far, seconds blocked so far)
+
+    def launched(at) -> None:
+        memory = next(iter(step._planners.values())).built.executor.memory
+        launches.append((time.perf_counter(), at, memory.waits, memory.blocked_s))
+
+    with copies_counted() as moved, observe_segments(launched):
         state, more, _, timed = steps_run(step, state, tokens, 1, timed_steps, False)
-    last = max(i for i, (_, at) in enumerate(launches) if at.segment == 0)
-    row["last_step_launch_ms"] = [round((t - launches[last][0]) * 1e3, 3) for t, _ in launches[last:]]
+    last = max(i for i, (_, at, *_) in enumerate(launches) if at.segment == 0)
+    row["last_step_launch_ms"] = [round((t - launches[last][0]) * 1e3, 3) for t, *_ in launches[last:]]
     # Per launch of the last step: the allocator's count, what the executor holds and has in flight,
-    # and what the launch allocates; a peak above the budget is where these do not add up.
+    # and what the launch allocates (a peak above the budget is where these do not add up); the
+    # host's waits on the device before it and their milliseconds (a gap between launches that is
+    # not a wait is the host's own work); and the chain's operations before it.
     row["last_step_launches"] = [
-        (at.allocator_bytes, at.held_bytes, at.in_flight_bytes, at.cost.launch_bytes) for _, at in launches[last:]
+        (at.allocator_bytes, at.held_bytes, at.in_flight_bytes, at.cost.launch_bytes) for _, at, *_ in launches[last:]
     ]
-    executor = step._planners[next(iter(step._planners))].built.executor
+    row["last_step_waits"] = [
+        (waits - before[0], round((blocked - before[1]) * 1e3, 3))
+        for (*_, waits, blocked), before in zip(launches[last:], [(0, 0.0)] + [x[2:] for x in launches[last:]])
+    ]
+    executor = next(iter(step._planners.values())).built.executor
+    row["operations_before_launches"] = operations_before_launches(executor.chain.operations)
     row |= dict(measured_peak_bytes=executor.measured_peak_bytes, foreign_bytes=executor.memory.foreign_bytes)
     plan = step.plan(state, tokens)
     (planner,) = step._planners.values()
@@ -179,6 +192,19 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
     del state
     gc.collect()
     return row
+
+
+def operations_before_launches(operations) -> list[dict]:
+    """Per launch of a chain, how many operations of each other kind (prefetches, offloads, waits)
+    come between it and the launch before it."""
+    counts: list[dict] = [{}]
+    for op in operations:
+        name = type(op).__name__
+        if name == "Launch":
+            counts.append({})
+        else:
+            counts[-1][name] = counts[-1].get(name, 0) + 1
+    return counts[:-1]
 
 
 def jit_run(model: dict, key, tokens, remat: bool, loss_steps: int, timed_steps: int) -> dict:
