@@ -278,7 +278,7 @@ def main() -> None:
         return
     model = DRY_MODEL if args.dry_run else MODEL
     # Planned as on a GPU: the H200's rates, and compiling nothing (see ``estimated_costs``).
-    pipeline_module.measure_profile = lambda: PROFILES["h200"]
+    pipeline_module.measure_profile = lambda **_: PROFILES["h200"]
     pipeline_module.compile_segments = estimated_costs
     if args.traced_order:  # the comparison: every update after the whole backward pass, as traced
         trace_module.reorder_tail = lambda flat, donated, budget_bytes: flat  # the order as traced
