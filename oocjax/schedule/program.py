@@ -132,6 +132,12 @@ class Program:
         return sum(b.nbytes for b in self.buffers if b.kind == "input" and b.donated)
 
     @cached_property
+    def state_bytes(self) -> int:
+        """What the step keeps between calls: its donated inputs (the training state), or its results
+        where those are more (an init, which makes the state)."""
+        return max(self.donated_bytes, sum(b.nbytes for b in self.buffers if b.is_output))
+
+    @cached_property
     def replaced_by(self) -> dict[int, int]:
         """Per donated input that an output replaces (``Buffer.aliased_input``), that output."""
         return {buf.aliased_input: b for b, buf in enumerate(self.buffers) if buf.aliased_input is not None}

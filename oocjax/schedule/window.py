@@ -24,8 +24,9 @@ before planning and reported with the smallest feasible budget (``schedule.feasi
 whose plan is "fetch at the start and keep" stay on the device instead, and outputs follow the
 memory of the input they alias (``schedule.homes``). Where the donated state is larger than the
 budget, inputs fetched again and again are kept on the device from the start where that moves
-fewer bytes (``homes.resident_candidates``), and the step is also planned in ranges of steps
-(``schedule.ranges``), taken where its fewer stops of the executor cost less than its copies.
+fewer bytes (``homes.resident_candidates``). Where the state is (``Program.state_bytes``: an init's
+results count too), the step is also planned in ranges of steps (``schedule.ranges``), taken where
+its fewer stops of the executor cost less than its copies.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def plan_window(
         check_feasible(program, budget_bytes, min_offload_bytes)
         _check_window(program, window)
         step_by_step = _plan_steps(program, budget_bytes, window, min_offload_bytes)
-        if program.donated_bytes <= budget_bytes:
+        if program.state_bytes <= budget_bytes:
             return step_by_step
         plans = [step_by_step]
         plan = functools.partial(_plan_checked, window=window, min_offload_bytes=min_offload_bytes)
@@ -104,7 +105,7 @@ def plan_window(
         return _cheapest(program, plans)
 
 
-# Where the donated state is larger than the budget, the step is also planned in ranges that each
+# Where the state is larger than the budget, the step is also planned in ranges that each
 # fit these shares of the budget (``schedule.ranges``), and the plan taken is the one that moves
 # fewest bytes with each boundary charged as BOUNDARY_BYTES: measured on an H200, the executor
 # cost about 1.3 ms per segment (segment_profile-nvidia-h200-2026-11-26.json), the time its link
