@@ -4,7 +4,7 @@ One Flax GPT training step (``models.gpt2`` in float32, AdamW; 16 layers, width 
 batch 8, seq 1024, vocabulary 1024 by default), each configuration in a fresh process with
 ``XLA_PYTHON_CLIENT_PREALLOCATE=false`` so that its runtime peak is its own:
 
-- ``link``: host<->device bandwidth per direction, pinned host memory: jitted 1 GiB copies, and
+- ``link``: host<->device bandwidth per direction and both at once, pinned host memory: jitted 1 GiB copies, and
   eager ``jax.device_put`` at 4 MiB and 256 MiB;
 - ``jax_jit``: the step under ``jax.jit``, no cap: the reference peak, step time and losses;
 - ``jax_jit_capped``: the same under ``XLA_PYTHON_CLIENT_MEM_FRACTION`` set so that the allocator's
@@ -450,7 +450,8 @@ def _peak_rises(rows: list[dict]) -> list[dict]:
 
 
 def link_probe(megabytes: int = 1024, repeats: int = 5) -> dict:
-    """Host<->device bandwidth of a jitted copy to and from pinned host memory, per direction."""
+    """Host<->device bandwidth of a jitted copy to and from pinned host memory, per direction, and
+    both at once (one program copying an array each way: both ways' bytes over its time)."""
     import jax
     import jax.numpy as jnp
 
@@ -460,16 +461,18 @@ def link_probe(megabytes: int = 1024, repeats: int = 5) -> dict:
     x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
     to_host = jax.jit(lambda a: a, out_shardings=host)
     to_device = jax.jit(lambda a: a, in_shardings=host, out_shardings=on_device)
+    both = jax.jit(lambda h, d: (h, d), in_shardings=(host, on_device), out_shardings=(on_device, host))
     h = jax.block_until_ready(to_host(x))
-    jax.block_until_ready(to_device(h))
     result = {}
-    for name, fn, arg in (("d2h_GB_per_s", to_host, x), ("h2d_GB_per_s", to_device, h)):
+    runs = (("d2h_GB_per_s", to_host, (x,)), ("h2d_GB_per_s", to_device, (h,)), ("both_GB_per_s", both, (h, x)))
+    for name, fn, args in runs:
+        jax.block_until_ready(fn(*args))
         best = float("inf")
         for _ in range(repeats):
             started = time.perf_counter()
-            jax.block_until_ready(fn(arg))
+            jax.block_until_ready(fn(*args))
             best = min(best, time.perf_counter() - started)
-        result[name] = x.nbytes / max(best, 1e-9) / 1e9
+        result[name] = len(args) * x.nbytes / max(best, 1e-9) / 1e9
     return dict(bytes=x.nbytes, **result)
 
 

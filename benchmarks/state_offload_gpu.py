@@ -51,6 +51,7 @@ import optax
 if __package__ in (None, ""):  # run as ``python benchmarks/state_offload_gpu.py``: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
+from benchmarks.gpu_check import link_probe
 from benchmarks.state_offload import BUDGETS_GIB, DRY_MODEL, MODEL, copies_counted
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
@@ -59,36 +60,6 @@ from oocjax.transforms.execute import observe_segments
 
 GIB = 2**30
 FLOOR_TARGETS = {4: 1.5, 14: 1.3}  # step time over max(transfer floor, compute floor)
-
-
-def link(megabytes: int, repeats: int = 5) -> dict:
-    """GB/s of a jitted copy of ``megabytes`` to the device, back, and both at once (bytes both ways over
-    the time), best of ``repeats``."""
-    device = jax.devices()[0]
-    host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-    on_device = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-    to_host_copy = jax.jit(lambda a: a, out_shardings=host)
-    to_device_copy = jax.jit(lambda a: a, in_shardings=host, out_shardings=on_device)
-    both = jax.jit(lambda h, d: (h, d), in_shardings=(host, on_device), out_shardings=(on_device, host))
-    h = jax.block_until_ready(to_host_copy(x))
-    runs = dict(
-        d2h_GB_per_s=(to_host_copy, (x,), x.nbytes),
-        h2d_GB_per_s=(to_device_copy, (h,), x.nbytes),
-        both_GB_per_s=(both, (h, x), 2 * x.nbytes),
-    )
-    result = dict(bytes=x.nbytes)
-    for name, (fn, args, nbytes) in runs.items():
-        jax.block_until_ready(fn(*args))
-        best = min(_timed(lambda fn=fn, args=args: fn(*args)) for _ in range(repeats))
-        result[name] = nbytes / best / 1e9
-    return result
-
-
-def _timed(call) -> float:
-    started = time.perf_counter()
-    jax.block_until_ready(call())
-    return time.perf_counter() - started
 
 
 def peak_bytes() -> int | None:
@@ -342,7 +313,7 @@ def main() -> None:
         print(f"skipped {name}: past the deadline", flush=True)
         return False
 
-    record["link"] = link(16 if args.dry_run else 1024)
+    record["link"] = link_probe(16 if args.dry_run else 1024)
     save()
     key = jax.random.key(0)
     tokens = jax.random.randint(jax.random.key(1), (model["batch"], model["seq"] + 1), 0, model["vocab"])
