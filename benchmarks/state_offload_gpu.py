@@ -42,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -55,6 +56,7 @@ from benchmarks.gpu_check import link_probe
 from benchmarks.state_offload import BUDGETS_GIB, DRY_MODEL, MODEL, copies_counted
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
+from oocjax.schedule.chain import Launch
 from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.execute import observe_segments
 
@@ -82,9 +84,9 @@ def gpt(model: dict, remat: bool = False):
     return init, next_token_step(network, optimizer)
 
 
-def steps_run(step, state, tokens, loss_steps: int, timed_steps: int, first_counted: bool) -> tuple:
-    """Runs ``loss_steps`` steps recording losses (the first one timed on its own, as the first call where
-    ``first_counted``), then ``timed_steps`` timed one by one. ``(state, losses, first_s, timed_s)``."""
+def steps_run(step, state, tokens, loss_steps: int, timed_steps: int) -> tuple:
+    """Runs ``loss_steps`` steps recording losses (the first one timed on its own: a first call's
+    time), then ``timed_steps`` timed one by one. ``(state, losses, first_s, timed_s)``."""
     losses, timed = [], []
     started = time.perf_counter()
     state, loss = jax.block_until_ready(step(state, tokens))
@@ -109,16 +111,16 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
     step = ooc_jit(step_fn, budget=budget, donate_argnums=(0,))
     row = dict(budget_bytes=budget, init_s=init_s, state_bytes=sum(x.nbytes for x in jax.tree.leaves(state)))
     row["peak_after_init_bytes"] = peak_bytes()
-    state, losses, first_s, _ = steps_run(step, state, tokens, loss_steps, 0, True)
+    state, losses, first_s, _ = steps_run(step, state, tokens, loss_steps, 0)
     row["peak_after_first_steps_bytes"] = peak_bytes()
     launches: list[tuple] = []  # (when, the executor's account, its waits so far, seconds blocked so far)
 
     def launched(at) -> None:
-        memory = next(iter(step._planners.values())).built.executor.memory
+        memory = _built(step).executor.memory
         launches.append((time.perf_counter(), at, memory.waits, memory.blocked_s))
 
     with copies_counted() as moved, observe_segments(launched):
-        state, more, _, timed = steps_run(step, state, tokens, 1, timed_steps, False)
+        state, more, _, timed = steps_run(step, state, tokens, 1, timed_steps)
     last = max(i for i, (_, at, *_) in enumerate(launches) if at.segment == 0)
     row["last_step_launch_ms"] = [round((t - launches[last][0]) * 1e3, 3) for t, *_ in launches[last:]]
     # Per launch of the last step: the allocator's count, what the executor holds and has in flight,
@@ -132,11 +134,11 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
         (waits - before[0], round((blocked - before[1]) * 1e3, 3))
         for (*_, waits, blocked), before in zip(launches[last:], [(0, 0.0)] + [x[2:] for x in launches[last:]])
     ]
-    executor = next(iter(step._planners.values())).built.executor
+    built = _built(step)
+    executor = built.executor
     row["operations_before_launches"] = operations_before_launches(executor.chain.operations)
     row |= dict(measured_peak_bytes=executor.measured_peak_bytes, foreign_bytes=executor.memory.foreign_bytes)
     plan = step.plan(state, tokens)
-    (planner,) = step._planners.values()
     per_step = timed_steps + 1
     kept_in = sum(h.nbytes for h in plan.host_inputs)
     buffers = plan.program.buffers
@@ -150,7 +152,7 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
         strategy=plan.schedule.strategy,
         segments=len(plan.segments),
         segments_per_layer=len(plan.segments) / model["layers"],
-        distinct_programs=len({id(p) for p in planner.built.programs}),
+        distinct_programs=len({id(p) for p in built.programs}),
         host_kept_bytes=kept_in,
         returned_to_host_bytes=sum(buffers[b].nbytes for b in plan.schedule.host_outputs),
         planned_to_device_bytes=plan.timeline.h2d_bytes,
@@ -165,17 +167,22 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
     return row
 
 
+def _built(step):
+    """The plan and chain an ``ooc_jit`` step of one signature runs now."""
+    (planner,) = step._planners.values()
+    return planner.built
+
+
 def operations_before_launches(operations) -> list[dict]:
     """Per launch of a chain, how many operations of each other kind (prefetches, offloads, waits)
     come between it and the launch before it."""
-    counts: list[dict] = [{}]
+    counts: list[Counter] = [Counter()]
     for op in operations:
-        name = type(op).__name__
-        if name == "Launch":
-            counts.append({})
+        if isinstance(op, Launch):
+            counts.append(Counter())
         else:
-            counts[-1][name] = counts[-1].get(name, 0) + 1
-    return counts[:-1]
+            counts[-1][type(op).__name__] += 1
+    return [dict(c) for c in counts[:-1]]
 
 
 def jit_run(model: dict, key, tokens, remat: bool, loss_steps: int, timed_steps: int) -> dict:
@@ -186,7 +193,7 @@ def jit_run(model: dict, key, tokens, remat: bool, loss_steps: int, timed_steps:
     compile_s = time.perf_counter() - started
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    state, losses, _, timed = steps_run(compiled, state, tokens, loss_steps, timed_steps, False)
+    state, losses, _, timed = steps_run(compiled, state, tokens, loss_steps, timed_steps)
     row = dict(
         remat=remat,
         compile_s=compile_s,
