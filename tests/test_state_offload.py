@@ -7,9 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import oocjax.transforms.trace as trace_module
 from benchmarks.state_offload import copies_counted
+from examples import decoders
+from examples.decoders import WAYS
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, pipeline, to_host
 from oocjax.schedule import window
@@ -122,6 +125,31 @@ def test_an_init_whose_results_exceed_the_budget_copies_in_ranges_with_far_fewer
     step_by_step = ooc_jit(init, budget=budget, min_offload_bytes=4096).plan(key)
     assert ranged.schedule.strategy == "window in ranges" and ranged.executed_peak_bytes <= budget
     assert 2 * len(ranged.segments) < len(step_by_step.segments), (len(ranged.segments), len(step_by_step.segments))
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_an_init_of_the_decoder_written_each_way_makes_its_state_in_ranges_as_jax_jit_does(way):
+    layers, optimizer = 4, optax.adamw(1e-3, weight_decay=0.01)
+    tokens = jnp.zeros((1, decoders.SEQ), jnp.int32)
+
+    def init(key):
+        if way == "nnx":
+            params = nnx.split(decoders.NnxDecoder(layers, nnx.Rngs(key)), nnx.Param)[1]
+        elif way == "plain":
+            params = decoders.plain_weights(layers, key)
+        else:
+            model = decoders.AutoNamedDecoder if way == "linen_auto" else decoders.ExplicitlyNamedDecoder
+            params = model(layers).init(key, tokens)
+        return params, optimizer.init(params)
+
+    key = jax.random.key(0)
+    budget = state_bytes(jax.eval_shape(init, key)) // 3
+    make = ooc_jit(init, budget=budget, min_offload_bytes=4096)
+    plan = make.plan(key)
+    assert plan.schedule.strategy == "window in ranges" and plan.executed_peak_bytes <= budget
+    assert len(plan.segments) <= 2 * layers  # step by step: 53 to 60
+    for made, expected in zip(jax.tree.leaves(make(key)), jax.tree.leaves(jax.jit(init)(key)), strict=True):
+        np.testing.assert_array_equal(np.asarray(made), np.asarray(expected))
 
 
 def test_results_the_caller_moves_to_host_and_drops_leave_nothing_on_the_device():
