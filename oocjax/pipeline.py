@@ -216,13 +216,19 @@ class StepPlanner:
                     raise
         measured = dict(segments=segments, costs=tuple(costs), attempts=tuple(m for _, m in history), peak=peak)
         settled = SettledPlan(choice=choice, program=program, schedule=schedule, **measured)
-        return self._finish(budget, settled, programs, functions), settled
+        return self._finish(budget, settled, programs, functions, flat), settled
 
     def _finish(
-        self, budget: Budget, settled: SettledPlan, programs: Sequence[Any] = (), functions: Sequence[Callable] = ()
+        self,
+        budget: Budget,
+        settled: SettledPlan,
+        programs: Sequence[Any] = (),
+        functions: Sequence[Callable] = (),
+        flat: FlatProgram | None = None,
     ) -> BuiltStep:
         """The step that runs a settled plan: ``jax.jit``'s program when nothing moves, else the
-        chain of ``programs`` (compiled, per segment), with its segments' ``functions`` where made."""
+        chain of ``programs`` (compiled, per segment), with its segments' ``functions`` and the
+        rewritten ``flat`` program they run where made."""
         traced, choice, program, schedule = self.traced, settled.choice, settled.program, settled.schedule
         segments, costs, attempts, peak = settled.segments, settled.costs, settled.attempts, settled.peak
         check_host_peak(program, schedule, self.host_limit, self.local_copies)
@@ -230,7 +236,8 @@ class StepPlanner:
         if not segments:
             return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None)
         rewrite = choice.rewrite
-        flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
+        if flat is None:
+            flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
         labels = _labels(program)
         layout = _layout(traced, rewrite)
         functions = functions or tuple(segment_functions(flat, segments, labels, layout))
