@@ -202,7 +202,8 @@ def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path, m
     assert len(rows) == record["plan_segments"]
     assert [r["steps"][0] for r in rows[1:]] == [r["steps"][1] for r in rows[:-1]]  # consecutive, none missing
     assert all(r["solo_s"] > 0 and r["flops_per_s"] >= 0 for r in rows)
-    assert 0 < record["distinct_programs"] < len(rows)  # the dry run's alike layers share programs
+    # Its two layers may share no program: alike layers share one where they are cut alike.
+    assert 0 < record["distinct_programs"] <= len(rows)
     assert all(record[k] > 0 for k in ("jit_s", "ooc_s", "ooc_gate_off_s", "ooc_no_waits_s", "back_to_back_s"))
     # Issue 30's figures: the executor's host waits, the time to its first launch, per-block remat
     # and ooc_jit at remat's own peak and below it.

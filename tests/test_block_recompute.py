@@ -16,7 +16,7 @@ import pytest
 from oocjax import ooc_jit, pipeline
 from oocjax.schedule import Program, plan_window, simulate_time
 from oocjax.schedule.blocks import block_targets
-from oocjax.schedule.hybrid import MOVE_MARGIN
+from oocjax.schedule.hybrid import MOVE_MARGIN, plan_hybrid
 from oocjax.schedule.profiles import resolve_profile
 from oocjax.schedule.recompute import choose_recompute
 from oocjax.transforms.layers import layer_runs
@@ -106,3 +106,32 @@ def test_a_blocks_members_are_its_insides_not_its_output():
     assert first_block_output and not first_block_output & members
     made = {b for a, y in blocks for step in program.steps[a:y] for b in step.writes}
     assert len(members) > len(made) // 2  # most of what a block makes is recomputed, as remat does
+
+
+def test_layers_alike_recompute_alike_values():
+    # At 30% the per-value picks alone recompute 36 values of the bottom layer only (the last bytes
+    # over the budget stand where only its values are live), and the bottom layer then compiles a
+    # program of its own; made alike, nothing moves.
+    four = transformer_dropout_adamw(4)
+    in_core_step = ooc_jit(four.step, budget=2**62, donate_argnums=0)
+    budget = int(0.3 * in_core_step.plan(four.state, four.batches[0]).baseline_peak_bytes)
+    (planner,) = in_core_step._planners.values()
+    program, runs = planner.program, layer_runs(planner.traced.flat)
+    backward = min(a for a, _, kind in runs if kind.startswith("transpose"))
+    blocks = [(a, y) for a, y, _ in runs if y <= backward]
+    recomputable = recomputable_steps(planner.traced.flat).__getitem__
+    choice = plan_hybrid(
+        program,
+        budget,
+        recomputable=recomputable,
+        profile=PROFILE,
+        blocks=blocks,
+        backward_start=backward,
+        min_offload_bytes=4096,
+    )
+    recomputed = set(choice.rewrite.recomputed)
+    below_the_top = [[b for step in program.steps[a:y] for b in step.writes] for a, y in blocks[:-1]]
+    assert len(blocks) == 4 and recomputed
+    for alike in zip(*below_the_top, strict=True):  # the top layer's last values are read at once: kept
+        assert len({b in recomputed for b in alike}) == 1
+    assert choice.schedule.moves_nothing

@@ -105,7 +105,8 @@ def plan_hybrid(
     swap_time = None if swap is None else simulate_time(program, swap, profile).step_time_s
     candidates = [] if swap is None else [_Candidate(identity_rewrite(program), swap, swap_time, False)]
     if recompute != "off" and not (swap is not None and swap.moves_nothing):
-        rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes, forced=forced)
+        rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes)
+        rules |= dict(forced=forced, layers=blocks)
         rewrites = [(choose_recompute(program, budget_bytes, **rules), False)]
         candidates += _planned(rewrites, planner, budget_bytes, window, profile)
         # Per-block remat, then the selector's picks on top of it: only where the selector alone still

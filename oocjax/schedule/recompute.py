@@ -31,13 +31,16 @@ the budget when the original's was within it; a class that fails is not tried ag
 one rewrite and a few linear passes. The next best classes at the same peak join a pick while their
 estimated savings together stay within the bytes over the budget there (each would be picked next
 anyway); such a pick is kept only if the peak falls by 3/4 of its estimate, else its best class is
-tried alone, and one class at a time from then on.
+tried alone, and one class at a time from then on. Given the layers' steps, the choices are then
+made alike in alike layers (``_alike_in_alike_layers``: as most of them have it, else in all), where
+that fits in core as well: alike layers then compile one program, the bottom layer included.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple
@@ -60,6 +63,7 @@ def choose_recompute(
     min_offload_bytes: int = MiB,
     max_picks: int = 1000,
     forced: Iterable[int] | Mapping[int, int] = (),
+    layers: Sequence[tuple[int, int]] = (),
 ) -> Rewrite:
     """Chooses values to recompute so that the program holds less at its in-core peak.
 
@@ -79,6 +83,8 @@ def choose_recompute(
       forced: buffers to recompute whatever the costs say (split at their longest gap, or where a
         mapping says: buffer -> a step to split across), before
         the selector adds its own.
+      layers: the steps ``(start, stop)`` of each layer's forward pass: the choices are then made
+        alike in layers alike (``_alike_in_alike_layers``), so that they share compiled programs.
 
     Returns:
       The rewrite of ``program`` (the identity if it already fits, or nothing helps); ``skipped``
@@ -95,7 +101,7 @@ def choose_recompute(
     profile = resolve_profile(DEFAULT_PROFILE if profile is None else profile)
     rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes)
     with gc_paused():
-        return _greedy(program, budget_bytes, max_picks=max_picks, forced=forced, **rules)
+        return _greedy(program, budget_bytes, max_picks=max_picks, forced=forced, layers=layers, **rules)
 
 
 def _greedy(
@@ -107,8 +113,10 @@ def _greedy(
     min_offload_bytes: int,
     max_picks: int,
     forced: Iterable[int] | Mapping[int, int],
+    layers: Sequence[tuple[int, int]],
 ) -> Rewrite:
-    """``choose_recompute``'s loop: a class of candidates or more a pick, until the step fits in core."""
+    """``choose_recompute``'s loop: a class of candidates or more a pick, until the step fits in core;
+    then the choices made alike in alike layers, where that still fits as well."""
     floor_fits = max(required_bytes(program, min_offload_bytes), default=0) <= budget_bytes
     targets: dict[int, int | None] = dict(forced) if isinstance(forced, Mapping) else dict.fromkeys(forced)
     chosen = (
@@ -150,6 +158,9 @@ def _greedy(
         else:
             rejected.add(batch[0].key)
             skipped += [Skipped(buffer=b, reason=why_not) for b in members]
+    alike = _alike_in_alike_layers(program, targets, layers, keep=set(forced))
+    trials = (recompute_program(program, t, recomputable=recomputable, across=t) for t in alike)
+    chosen = next((t for t in trials if _fits_as_well(t, device, budget_bytes, floor_fits, min_offload_bytes)), chosen)
     kept = set(chosen.recomputed)  # a chain member of a rejected class may join a later one
     return replace(chosen, skipped=(*chosen.skipped, *(s for s in skipped if s.buffer not in kept)))
 
@@ -175,9 +186,7 @@ def _why_not_kept(
     if not set(members) & set(trial.recomputed):
         return "no value of its class could be recomputed across the peak", ()
     after = in_core_bytes(trial.program)
-    over_before = sum(max(0, live - budget) for live in device)
-    over_after = sum(max(0, live - budget) for live in after)
-    if (max(after, default=0), over_after) >= (max(device, default=0), over_before):
+    if _excess(after, budget) >= _excess(device, budget):
         return "recomputing its class across the peak did not lower the in-core bytes over the budget", after
     if floor_fits and max(required_bytes(trial.program, min_offload_bytes), default=0) > budget:
         return "recomputing its class would make some step alone need more than the budget", after
@@ -238,6 +247,58 @@ def _ranked_classes(
     across = chosen.origin_step[q]
     ranked = sorted(classes.items(), key=rank, reverse=True)
     return [_Class(key, list(dict.fromkeys(members)), across, int(saved)) for key, (members, (saved, _)) in ranked]
+
+
+def _excess(device: Sequence[int], budget: int) -> tuple[int, int]:
+    """The in-core peak and the bytes over the budget summed over the steps: what a pick lowers."""
+    return max(device, default=0), sum(max(0, live - budget) for live in device)
+
+
+def _fits_as_well(trial: Rewrite, device: Sequence[int], budget: int, floor_fits: bool, min_offload_bytes: int) -> bool:
+    """Whether ``trial`` fits in core where ``device`` (bytes per step) did, is no further over the
+    budget where it did not, and keeps the smallest feasible budget within the budget."""
+    after = in_core_bytes(trial.program)
+    held = max(after, default=0) <= budget or _excess(after, budget) <= _excess(device, budget)
+    return held and not (floor_fits and max(required_bytes(trial.program, min_offload_bytes)) > budget)
+
+
+def _alike_in_alike_layers(
+    program: Program, targets: Mapping[int, int | None], layers: Sequence[tuple[int, int]], keep: set[int]
+) -> list[dict[int, int | None]]:
+    """Targets with each value of alike layers (the same operations on the same sizes) recomputed
+    in all of them or in none: first as most of them have it, then in all; none where the choices
+    are alike already. The greedy picks leave the first and last layers unlike the rest (a class
+    only the bottom layer has live where the last bytes over the budget stand), and each unlike
+    layer compiles a program of its own. A value added is split where most of its like are;
+    ``keep`` (forced values) is never dropped."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for start, stop in layers:
+        groups[tuple(_step_shape(program, k) for k in range(start, stop))].append(start)
+    most, everywhere, unlike = dict(targets), dict(targets), False
+    for shape, starts in groups.items():
+        for offset in range(len(shape) if len(starts) > 1 else 0):
+            for which in range(len(program.steps[starts[0] + offset].writes)):
+                alike = [program.steps[start + offset].writes[which] for start in starts]
+                chosen = [b for b in alike if b in targets]
+                if not chosen or len(chosen) == len(alike):
+                    continue
+                unlike = True
+                across = Counter(targets[b] for b in chosen).most_common(1)[0][0]
+                added = dict.fromkeys((b for b in alike if b not in targets), across)
+                everywhere.update(added)
+                if 2 * len(chosen) >= len(alike):
+                    most.update(added)
+                else:
+                    for b in set(chosen) - keep:
+                        del most[b]
+    return [most, everywhere] if unlike else []
+
+
+def _step_shape(program: Program, k: int) -> tuple:
+    """What a step of a layer must share with its like in another layer: operation, work, sizes."""
+    step, buffers = program.steps[k], program.buffers
+    sizes = tuple(buffers[b].nbytes for b in step.reads), tuple(buffers[b].nbytes for b in step.writes)
+    return step.name, step.flops, step.transient_bytes, *sizes
 
 
 def _estimates_held(batch: list[_Class], device: Sequence[int], after: Sequence[int]) -> bool:
