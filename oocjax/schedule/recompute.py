@@ -193,7 +193,7 @@ def _why_not_kept(
     return None, after
 
 
-ClassKey = tuple  # (name, label, flops, transient, read sizes, write sizes, which write)
+ClassKey = tuple  # (name, flops, transient, read sizes, write sizes, label, which write)
 
 
 class _Class(NamedTuple):
@@ -273,7 +273,7 @@ def _alike_in_alike_layers(
     ``keep`` (forced values) is never dropped."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for start, stop in layers:
-        groups[tuple(_step_shape(program, k) for k in range(start, stop))].append(start)
+        groups[tuple(_step_shape(program, step) for step in program.steps[start:stop])].append(start)
     most, everywhere, unlike = dict(targets), dict(targets), False
     for shape, starts in groups.items():
         for offset in range(len(shape) if len(starts) > 1 else 0):
@@ -294,10 +294,9 @@ def _alike_in_alike_layers(
     return [most, everywhere] if unlike else []
 
 
-def _step_shape(program: Program, k: int) -> tuple:
-    """What a step of a layer must share with its like in another layer: operation, work, sizes."""
-    step, buffers = program.steps[k], program.buffers
-    sizes = tuple(buffers[b].nbytes for b in step.reads), tuple(buffers[b].nbytes for b in step.writes)
+def _step_shape(program: Program, step: Step) -> tuple:
+    """What a step shares with its like in another layer: its operation, work and sizes."""
+    sizes = tuple(program.buffers[i].nbytes for i in step.reads), tuple(program.buffers[w].nbytes for w in step.writes)
     return step.name, step.flops, step.transient_bytes, *sizes
 
 
@@ -371,7 +370,6 @@ def _next_original(chosen: Rewrite, p: int) -> int:
 
 
 def _class_key(program: Program, step: Step, b: int) -> ClassKey:
-    """What identical layers share: the producer's operation, source and sizes, and which of its
-    results the value is. Buffer labels are left out: they name the layer."""
-    sizes = tuple(program.buffers[i].nbytes for i in step.reads), tuple(program.buffers[w].nbytes for w in step.writes)
-    return (step.name, step.label, step.flops, step.transient_bytes, *sizes, step.writes.index(b))
+    """What identical layers share: the producer's operation, work, sizes and source, and which of
+    its results the value is. Buffer labels are left out: they name the layer."""
+    return (*_step_shape(program, step), step.label, step.writes.index(b))
