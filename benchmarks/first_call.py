@@ -161,7 +161,10 @@ def second_process(layers: int, repeats: int) -> dict:
     for wrapper in ("jit", "ooc"):
         with tempfile.TemporaryDirectory() as cache:
             argv = [sys.executable, "-c", CHILD, str(layers), wrapper, cache, str(budget)]
-            runs = [float(subprocess.check_output(argv, cwd=ROOT, text=True)) for _ in range(1 + repeats)]
+            runs = [
+                float(subprocess.run(argv, cwd=ROOT, text=True, capture_output=True, check=True).stdout)
+                for _ in range(1 + repeats)
+            ]
         seconds[wrapper] = (runs[0], min(runs[1:]))
     row = dict(
         layers=layers,
@@ -190,11 +193,18 @@ def main() -> None:
     depths = [int(d) for d in args.layers.split(",") if d]
     ways = WAYS if args.ways == "all" else [w for w in args.ways.split(",") if w]
     rows = [first_process(model, layers, args.repeats) for model in ["zoo", *ways] for layers in depths]
-    second = [second_process(int(d), args.repeats) for d in args.second_process.split(",") if d]
+    second, failures = [], []
+    for depth in [int(d) for d in args.second_process.split(",") if d]:
+        try:
+            second.append(second_process(depth, args.repeats))
+        except subprocess.CalledProcessError as error:  # kept, not lost with the first processes' figures
+            failures.append(dict(layers=depth, error=(error.stderr or "")[-2000:] or str(error)))
+            print(f"{depth:2d} layers, second process failed: {failures[-1]['error']}")
     if args.out:
         record = dict(
             benchmark="first_call", repeats=args.repeats, rows=rows, second_process=second, jax=jax.__version__
         )
+        record |= dict(second_process_failures=failures) if failures else {}
         Path(args.out).write_text(json.dumps(record | machine(), indent=1) + "\n")
         print(f"wrote {args.out}")
 
