@@ -198,7 +198,8 @@ def main() -> None:
         try:
             second.append(second_process(depth, args.repeats))
         except subprocess.CalledProcessError as error:  # kept, not lost with the first processes' figures
-            failures.append(dict(layers=depth, error=(error.stderr or "")[-2000:] or str(error)))
+            named = [line for line in (error.stderr or "").splitlines() if "Error" in line]  # not the notes after
+            failures.append(dict(layers=depth, error="\n".join(named[-3:])[-2000:] or str(error)))
             print(f"{depth:2d} layers, second process failed: {failures[-1]['error']}")
     if args.out:
         record = dict(
