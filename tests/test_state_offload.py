@@ -15,7 +15,7 @@ from examples import decoders
 from examples.decoders import WAYS
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, pipeline, to_host
-from oocjax.schedule import window
+from oocjax.schedule import hybrid, window
 from oocjax.schedule.chain import Prefetch, chain_of
 from oocjax.transforms.execute import observe_segments
 
@@ -62,6 +62,21 @@ def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_i
             losses.append(loss)
     np.testing.assert_allclose(losses, expected, rtol=2e-5)
     assert moved == {"device": 2 * plan.timeline.h2d_bytes, "pinned_host": 2 * plan.timeline.d2h_bytes}
+    assert any(b.label.startswith("recompute of recompute of") for b in plan.program.buffers)  # both rounds ran
+
+
+def test_values_a_plan_would_move_are_recomputed_again_where_that_is_cheaper_so_less_moves(monkeypatch):
+    from benchmarks.state_offload import estimated_costs
+
+    monkeypatch.setattr(pipeline, "compile_segments", estimated_costs)  # plans alone: nothing to compile
+    step, state, tokens = gpt_case()
+    budget = state_bytes(state) // 3
+    again = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096).plan(state, tokens)
+    monkeypatch.setattr(hybrid, "MOVED_ROUNDS", 0)
+    once = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096).plan(state, tokens)
+    moved = [plan.timeline.h2d_bytes + plan.timeline.d2h_bytes for plan in (again, once)]
+    assert moved[0] < moved[1]
+    assert any(b.label.startswith("recompute of recompute of") for b in again.program.buffers)
 
 
 def test_updates_moved_next_to_their_gradients_move_less_than_the_traced_order(monkeypatch):
