@@ -443,7 +443,9 @@ def _state_offload_lines(records: list[tuple[str, dict]]) -> list[str]:
                 f"{(row['to_device_bytes'] + row['back_bytes']) / 2**30:.1f} GiB both ways, "
                 f"{row['segments_per_layer']:.1f} segments per layer, host peak {row['host_peak_vs_kept']:.2f}x"
             )
-        lines += [f"- `{name}` ({r['order']}; {where(r)}): {'; '.join(cells)}.", ""]
+        rounds = f"; moved values recomputed in {r['moved_rounds']} rounds" if r.get("moved_rounds") else ""
+        note = f" {r['run_note']}" if r.get("run_note") else ""
+        lines += [f"- `{name}` ({r['order']}{rounds}; {where(r)}): {'; '.join(cells)}.{note}", ""]
     return lines
 
 

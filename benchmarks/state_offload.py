@@ -48,7 +48,7 @@ from examples.decoders import WAYS, decoder_case
 from examples.models import Transformer, next_token_step
 from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax import pipeline as pipeline_module
-from oocjax.schedule import PROFILES
+from oocjax.schedule import PROFILES, hybrid
 from oocjax.schedule.segments import SegmentCost
 from oocjax.transforms import execute as execute_module
 from oocjax.transforms import segment as segment_module
@@ -264,6 +264,7 @@ def main() -> None:
     parser.add_argument("--variants", default="loop,scan")
     parser.add_argument("--traced-order", action="store_true", help="keep the optimizer's updates at the end")
     parser.add_argument("--end-to-end", action="store_true", help="train the scaled GPT on this machine's device")
+    parser.add_argument("--moved-rounds", type=int, help="schedule.hybrid.MOVED_ROUNDS (default: the library's)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.end_to_end:
@@ -277,6 +278,8 @@ def main() -> None:
             print(f"wrote {args.out}")
         return
     model = DRY_MODEL if args.dry_run else MODEL
+    if args.moved_rounds is not None:
+        hybrid.MOVED_ROUNDS = args.moved_rounds
     # Planned as on a GPU: the H200's rates, and compiling nothing (see ``estimated_costs``).
     pipeline_module.measure_profile = lambda **_: PROFILES["h200"]
     pipeline_module.compile_segments = estimated_costs
@@ -298,6 +301,7 @@ def main() -> None:
         out = Path(args.out)
         order = "traced" if args.traced_order else "updates after gradients"
         record = dict(benchmark="state_offload", model=model, optimizer="adamw f32", profile="h200", order=order)
+        record["moved_rounds"] = hybrid.MOVED_ROUNDS
         record["rows"] = rows
         out.write_text(json.dumps(record | machine(), indent=1) + "\n")
         print(f"wrote {out}")

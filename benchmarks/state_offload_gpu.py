@@ -56,6 +56,7 @@ from benchmarks.gpu_check import link_probe
 from benchmarks.state_offload import BUDGETS_GIB, DRY_MODEL, MODEL, copies_counted
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
+from oocjax.schedule import hybrid
 from oocjax.schedule.chain import Launch
 from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.execute import observe_segments
@@ -84,17 +85,22 @@ def gpt(model: dict, remat: bool = False):
     return init, next_token_step(network, optimizer)
 
 
-def steps_run(step, state, tokens, loss_steps: int, timed_steps: int) -> tuple:
+def steps_run(step, state, tokens, loss_steps: int, timed_steps: int, peaks: list | None = None) -> tuple:
     """Runs ``loss_steps`` steps recording losses (the first one timed on its own: a first call's
-    time), then ``timed_steps`` timed one by one. ``(state, losses, first_s, timed_s)``."""
+    time), then ``timed_steps`` timed one by one. ``(state, losses, first_s, timed_s)``. ``peaks``
+    gets the device's peak so far after each loss step (which call raised it)."""
     losses, timed = [], []
     started = time.perf_counter()
     state, loss = jax.block_until_ready(step(state, tokens))
     first_s = time.perf_counter() - started
     losses.append(float(loss))
     for _ in range(loss_steps - 1):
+        if peaks is not None:
+            peaks.append(peak_bytes())
         state, loss = jax.block_until_ready(step(state, tokens))
         losses.append(float(loss))
+    if peaks is not None:
+        peaks.append(peak_bytes())
     for _ in range(timed_steps):
         started = time.perf_counter()
         state, loss = jax.block_until_ready(step(state, tokens))
@@ -111,7 +117,8 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
     step = ooc_jit(step_fn, budget=budget, donate_argnums=(0,))
     row = dict(budget_bytes=budget, init_s=init_s, state_bytes=sum(x.nbytes for x in jax.tree.leaves(state)))
     row["peak_after_init_bytes"] = peak_bytes()
-    state, losses, first_s, _ = steps_run(step, state, tokens, loss_steps, 0)
+    row["peak_after_each_first_step_bytes"] = peaks = []
+    state, losses, first_s, _ = steps_run(step, state, tokens, loss_steps, 0, peaks)
     row["peak_after_first_steps_bytes"] = peak_bytes()
     launches: list[tuple] = []  # (when, the executor's account, its waits so far, seconds blocked so far)
 
@@ -294,7 +301,10 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=480, help="seconds; a run that would start later is skipped")
     parser.add_argument("--reserve", type=float, default=60, help="seconds left for each run, at least")
     parser.add_argument("--jit", default="plain,remat", help="the jax.jit runs, in the order run")
+    parser.add_argument("--moved-rounds", type=int, help="schedule.hybrid.MOVED_ROUNDS for the ooc_jit steps")
     args = parser.parse_args()
+    if args.moved_rounds is not None:
+        hybrid.MOVED_ROUNDS = args.moved_rounds
     began = time.perf_counter()
     model = DRY_MODEL if args.dry_run else MODEL
     device = jax.devices()[0]
@@ -303,7 +313,7 @@ def main() -> None:
     record["env"] = {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_"))}
     if args.commit:
         record["commit"] = args.commit
-    record |= dict(ooc_jit=[], jax_jit=[], skipped=[])
+    record |= dict(ooc_jit=[], jax_jit=[], skipped=[], moved_rounds=hybrid.MOVED_ROUNDS)
     out = Path(args.out) if args.out else None
     if out and out.is_dir():
         out = out / f"state_offload_gpu-{device.device_kind.lower().replace(' ', '-')}-{datetime.date.today()}.json"
