@@ -12,8 +12,10 @@ raises the device's peak before an earlier one is read:
    plan, compile, run) and the plans it made, the losses of the first steps, the median time of the
    timed steps, the bytes the executor copied each way per step against the plan's, and the device's
    ``peak_bytes_in_use`` against the budget (read after the init too: the init's plan measures the
-   device's rates first), and per launch of the last step its time, the host's waits before it, the
-   chain's operations before it and the executor's account (to find where a step's time goes).
+   device's rates first; and when the first call's first segment launches, after compiling, and
+   after each first step, to tell which raised it), and per launch of the last step its time, the
+   host's waits before it, the chain's operations before it and the executor's account (to find
+   where a step's time goes).
 3. **``jax.jit`` in device memory**, from the same initial state (``jax.jit(init)``): the plain step
    (its time is the compute floor), then every block in ``nn.remat`` (nothing saved). Their losses
    and step times. Every run's model TFLOP/s divide the same count (``model_flops``).
@@ -26,6 +28,7 @@ is the state the plan keeps in host memory copied to the device once and the sta
 copied back once, at the link's measured rates, each way alone or both at once, whichever is slower;
 the compute floor is plain ``jax.jit``'s step time. Issue 31's targets: at most 1.5x at 4 GiB and
 1.3x at 14 GiB. ``--deadline`` skips what would start too late; the JSON is rewritten after each run.
+``--moved-rounds 2`` plans with ``schedule.hybrid.MOVED_ROUNDS`` on (off by default).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/state_offload_gpu.py --out "$OUT"
     python benchmarks/state_offload_gpu.py --dry-run     # anywhere: a small GPT at scaled budgets
@@ -118,7 +121,15 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
     row = dict(budget_bytes=budget, init_s=init_s, state_bytes=sum(x.nbytes for x in jax.tree.leaves(state)))
     row["peak_after_init_bytes"] = peak_bytes()
     row["peak_after_each_first_step_bytes"] = peaks = []
-    state, losses, first_s, _ = steps_run(step, state, tokens, loss_steps, 0, peaks)
+    first_launch: list = []  # the device's peak when the first call's first segment launches: after compiling
+
+    def compiled(at) -> None:
+        if not first_launch:
+            first_launch.append(peak_bytes())
+
+    with observe_segments(compiled):
+        state, losses, first_s, _ = steps_run(step, state, tokens, loss_steps, 0, peaks)
+    row["peak_at_first_launch_bytes"] = first_launch[0] if first_launch else None
     row["peak_after_first_steps_bytes"] = peak_bytes()
     launches: list[tuple] = []  # (when, the executor's account, its waits so far, seconds blocked so far)
 
