@@ -160,11 +160,23 @@ class StepPlanner:
             )
         entry = plan_cache.load(name)
         if entry is not None:
-            return self._finish(budget, entry.settled, entry.programs())
+            programs = entry.programs()
+            if programs is None and entry.settled.segments:  # the plan alone: its segments compiled again
+                return self._compiled_again(budget, entry.settled)
+            return self._finish(budget, entry.settled, programs or ())
         built, settled = self._make(budget)
         if name is not None:
-            plan_cache.store(name, plan_cache.Entry.of(settled, built.programs))
+            plan_cache.store(name, plan_cache.Entry.of(settled, built.programs, _platform()))
         return built
+
+    def _compiled_again(self, budget: Budget, settled: SettledPlan) -> BuiltStep:
+        """The step of a plan read from the plan cache without its programs: they compile again."""
+        rewrite = settled.choice.rewrite
+        flat = apply_rewrite(self.traced.flat, rewrite) if rewrite.recomputed else self.traced.flat
+        layout = _layout(self.traced, rewrite)
+        functions = tuple(segment_functions(flat, settled.segments, _labels(settled.program), layout))
+        programs, _ = compile_segments(flat, settled.segments, functions, self.compiled, layout)
+        return self._finish(budget, settled, programs, functions, flat)
 
     def _make(self, budget: Budget) -> tuple[BuiltStep, SettledPlan]:
         """Plans, cuts and compiles until the compiled segments' measured peak holds the budget;

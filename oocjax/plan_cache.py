@@ -42,16 +42,31 @@ class Entry:
     program_index: tuple[int, ...]
 
     @classmethod
-    def of(cls, settled: SettledPlan, programs: Sequence[Any]) -> Entry:
-        """The entry of ``settled`` and its segments' compiled ``programs``, each distinct one serialized once."""
+    def of(cls, settled: SettledPlan, programs: Sequence[Any], platform: str) -> Entry:
+        """The entry of ``settled`` and its segments' compiled ``programs``, each distinct one serialized
+        once; on a platform whose programs do not survive that (``KEEPS_PROGRAMS``), the plan alone."""
+        if not KEEPS_PROGRAMS.get(platform, True):
+            return cls(settled, (), ())
         distinct = list({id(p): p for p in programs}.values())
         where = {id(p): i for i, p in enumerate(distinct)}
         return cls(settled, tuple(serialize(p) for p in distinct), tuple(where[id(p)] for p in programs))
 
-    def programs(self) -> list[Any]:
-        """Every segment's compiled program, loaded (a program shared by segments, once)."""
+    def programs(self) -> list[Any] | None:
+        """Every segment's compiled program, loaded (a program shared by segments, once); None where
+        the entry keeps the plan alone (compile them again: JAX's persistent cache has them)."""
+        if not self.program_index:
+            return None
         loaded = [deserialize(p) for p in self.executables]
         return [loaded[i] for i in self.program_index]
+
+
+# XLA:CPU programs serialized here and loaded by a later process could fail at their first run
+# ("Error dispatching computation: Function broadcast_select_fusion not found"): on this project's
+# 2-core CPU, the test zoo's 4-layer transformer at 30%, in 15 of 18 second processes that loaded
+# them, where the same programs compiled again through JAX's persistent cache ran (2 of 2). On a
+# CPU an entry keeps the plan alone, and a later process compiles its segments again (from JAX's
+# cache: fast); since then 7 of 7 such second processes ran.
+KEEPS_PROGRAMS = {"cpu": False}
 
 
 def directory() -> Path | None:

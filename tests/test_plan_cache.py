@@ -1,5 +1,6 @@
 """With JAX's persistent cache directory set, a plan and its compiled segments made in one process
-are read back by the next instead of being made again (``oocjax.plan_cache``)."""
+are read back by the next instead of being made again (``oocjax.plan_cache``); on a CPU the plan
+alone, its segments compiled again through JAX's cache."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import oocjax.pipeline
+import oocjax.plan_cache
 from oocjax import ooc_jit
 from tests.zoo import mlp_adam
 
@@ -51,7 +53,13 @@ def entries(cache_dir) -> list:
     return sorted((cache_dir / "oocjax").glob("*.pkl"))
 
 
-def test_a_new_wrapper_reads_the_plan_and_programs_instead_of_planning_and_compiling(cache_dir, monkeypatch):
+@pytest.mark.parametrize("keeps_programs", [True, False], ids=["with its programs", "plan alone (a CPU)"])
+def test_a_new_wrapper_reads_the_plan_and_programs_instead_of_planning_and_compiling(
+    cache_dir, monkeypatch, keeps_programs
+):
+    # On a CPU an entry keeps the plan alone (``plan_cache.KEEPS_PROGRAMS``): its segments compile
+    # again, through JAX's cache. Elsewhere it keeps the compiled programs too (tried here on a CPU).
+    monkeypatch.setattr(oocjax.plan_cache, "KEEPS_PROGRAMS", {"cpu": keeps_programs})
     first = make_step()
     expected = first(fresh(case().state), case().batches[0])
     plan = first.plan(case().state, case().batches[0])
@@ -61,7 +69,8 @@ def test_a_new_wrapper_reads_the_plan_and_programs_instead_of_planning_and_compi
         raise AssertionError("planned or compiled again although the cache holds the plan")
 
     monkeypatch.setattr(oocjax.pipeline, "_choose", refuse)
-    monkeypatch.setattr(oocjax.pipeline, "compile_segments", refuse)
+    if keeps_programs:
+        monkeypatch.setattr(oocjax.pipeline, "compile_segments", refuse)
     second = make_step()
     actual = second(fresh(case().state), case().batches[0])
     jax.tree.map(np.testing.assert_array_equal, actual, expected)
@@ -105,8 +114,8 @@ def test_a_second_process_runs_the_cached_plan_with_the_same_results(tmp_path):
         from tests.zoo import mlp_adam
         case = mlp_adam()
         in_core = ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0]).baseline_peak_bytes
-        if sys.argv[2] == "second":  # planning or compiling again would fail
-            oocjax.pipeline._choose = oocjax.pipeline.compile_segments = None
+        if sys.argv[2] == "second":  # planning again would fail (on a CPU its segments compile again)
+            oocjax.pipeline._choose = None
         step = ooc_jit(case.step, budget=int(in_core * 0.35), donate_argnums=(0,), recompute="off",
                        min_offload_bytes=4096)
         state, metrics = step(case.state, case.batches[0])
