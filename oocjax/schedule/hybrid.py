@@ -10,12 +10,11 @@ Up to three candidates are planned for one budget:
   backward pass, its input kept (``schedule.blocks``: per-block remat), the selector's picks on
   top of that, and the window planner moves what still does not fit.
 
-Then, under ``"auto"`` and where ``MOVED_ROUNDS`` allows (off by default: see there), what the chosen
-plan still moves is recomputed instead where a copy costs less than the round trip
-(``recompute.cheaper_than_moving``), in rounds on top of it: a
-value recomputed with its block for the backward pass is held until its last read there, and the
-planner moves it across the peak in between; the next round drops that copy and computes it again
-where it is read.
+Then, under ``"auto"`` and where ``MOVED_ROUNDS`` allows (off by default: see there), what the
+chosen plan still moves is recomputed instead where a copy costs less than the round trip
+(``recompute.cheaper_than_moving``), in rounds on top of it: a value recomputed with its block for
+the backward pass is held until its last read there, and the planner moves it across the peak in
+between; the next round drops that copy and computes it again where it is read.
 
 All are timed with the same device profile (``simulate_time``); a recomputing plan is taken only
 when it is faster, or as fast and moving less (PoocH's rule: recompute where recomputing costs less than
@@ -115,7 +114,7 @@ def plan_hybrid(
         rules |= dict(forced=forced, layers=blocks)
         rewrites = [(choose_recompute(program, budget_bytes, **rules), False)]
         candidates += _planned(rewrites, planner, budget_bytes, window, profile)
-        # Per-block remat, then the selector's picks on top, where the selector alone still moves.
+        # Per-block remat (which recomputes more), then the selector's picks, where those alone move.
         if blocks and recompute == "auto" and not any(c.schedule.moves_nothing for c in candidates):
             by_block = dict.fromkeys(block_targets(program, blocks, backward_start), backward_start)
             rewrites = [(choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True)]
