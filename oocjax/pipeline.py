@@ -172,7 +172,7 @@ class StepPlanner:
     def _compiled_again(self, budget: Budget, settled: SettledPlan) -> BuiltStep:
         """The step of a plan read from the plan cache without its programs: they compile again."""
         rewrite = settled.choice.rewrite
-        flat = apply_rewrite(self.traced.flat, rewrite) if rewrite.recomputed else self.traced.flat
+        flat = _flat_of(self.traced, rewrite)
         layout = _layout(self.traced, rewrite)
         functions = tuple(segment_functions(flat, settled.segments, _labels(settled.program), layout))
         programs, _ = compile_segments(flat, settled.segments, functions, self.compiled, layout)
@@ -189,7 +189,7 @@ class StepPlanner:
         traced_layers = layer_runs(traced.flat)
         choice = _choose(self.program, traced.flat, traced_layers, budget, options)
         program, schedule, rewrite = choice.program, choice.schedule, choice.rewrite
-        flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
+        flat = _flat_of(traced, rewrite)
         layout = _layout(traced, rewrite)
         layers = layer_runs(flat) if rewrite.recomputed else traced_layers  # copies move the layers
         history, worst_text, halved = [], "", set()
@@ -249,7 +249,7 @@ class StepPlanner:
             return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None)
         rewrite = choice.rewrite
         if flat is None:
-            flat = apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
+            flat = _flat_of(traced, rewrite)
         labels = _labels(program)
         layout = _layout(traced, rewrite)
         functions = functions or tuple(segment_functions(flat, segments, labels, layout))
@@ -263,6 +263,11 @@ class StepPlanner:
         executable = executable_chain(flat, chain, programs, costs, labels, layout)
         executor = ChainExecutor(executable, budget.planned_bytes, functions)
         return BuiltStep(plan, executor, functions, tuple(programs), flat=flat, layout=layout)
+
+
+def _flat_of(traced: TracedStep, rewrite: Any) -> FlatProgram:
+    """The flat program a plan runs: the traced one, with the rewrite's copies where it recomputes."""
+    return apply_rewrite(traced.flat, rewrite) if rewrite.recomputed else traced.flat
 
 
 def _layout(traced: TracedStep, rewrite: Any) -> Layout | None:

@@ -191,9 +191,10 @@ def _steadiest(candidates: list[_Candidate]) -> _Candidate:
 # so the first round can move as much as before (a LayerNorm recomputed for its weight gradients is
 # held to its own backward), and the second drops those copies and computes them again where they
 # are read: on the 1.34B GPT at 4 GiB, 8.6 GiB fewer moved a step (a third round: 0.5 GiB more).
-# Off by default: on an H200 that plan ran 847 ms a step against 936 ms, copying what it planned,
-# but the device's peak reached 5.25e9 bytes against the budget's 4.29e9 while the executor's own
-# account stayed at 3.95e9; the cause is not found (state_offload_gpu-nvidia-h200-2026-11-28b.json).
+# Off by default: on an H200 that plan ran at 2.55x jax.jit's step in its process (847 ms; without
+# the rounds 2.83x, 936 ms, in another process), copying what it planned, but the device's peak
+# reached 5.25e9 bytes against the budget's 4.29e9 while the executor's own account stayed at
+# 3.95e9; the cause is not found (state_offload_gpu-nvidia-h200-2026-11-28b.json).
 # Set it to 2 to try them; none run where what they could save is under MOVED_SHARE of the moves.
 MOVED_ROUNDS = 0
 MOVED_SHARE = 0.02
