@@ -36,7 +36,7 @@ from oocjax.refusals import (
 from oocjax.schedule import Program, Schedule, format_bytes, plan_window, required_bytes, validate
 from oocjax.schedule.chain import check_segments
 from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
-from oocjax.schedule.segments import cut_segments, executed_peak, with_measured_scratch
+from oocjax.schedule.segments import cut_segments, executed_peak, unfitted_ranges, with_measured_scratch
 from oocjax.schedule.simulate import frees_host_state_early
 from oocjax.settled import SettledPlan
 from oocjax.transforms.calibrate import measure_profile
@@ -180,7 +180,9 @@ class StepPlanner:
 
     def _make(self, budget: Budget) -> tuple[BuiltStep, SettledPlan]:
         """Plans, cuts and compiles until the compiled segments' measured peak holds the budget;
-        the step, and what the plan cache keeps of it.
+        the step, and what the plan cache keeps of it. Ranges of steps the estimate cuts into
+        pieces but that might fit whole (``unfitted_ranges``) are compiled whole first: where their
+        programs measure within the budget they stay whole, one program where there were several.
 
         Raises ``BudgetInfeasibleError`` when no plan fits, and ``OocError`` when the segments still
         measure over the budget after ``MAX_REPLANS`` plans, or a plan needs more host memory than
@@ -193,6 +195,7 @@ class StepPlanner:
         layout = _layout(traced, rewrite)
         layers = layer_runs(flat) if rewrite.recomputed else traced_layers  # copies move the layers
         history, worst_text, halved = [], "", set()
+        launched: dict[tuple, int] = {}  # what compiled ranges of steps allocate, by their signature
         while True:
             if schedule.moves_nothing and not rewrite.recomputed and options.min_segments <= 1:
                 settled = SettledPlan(choice=choice, program=program, schedule=schedule)
@@ -202,7 +205,12 @@ class StepPlanner:
             cuts["layers"] = layers
             cuts["cut_before"] = tuple(halved)
             cuts["copies"] = _copies(flat) if _MERGES_COPIES.get(_platform()) else ()
-            segments = cut_segments(program, schedule, budget_bytes=budget.planned_bytes, **cuts)
+            cuts |= dict(budget_bytes=budget.planned_bytes, measured=launched)
+            segments = cut_segments(program, schedule, **cuts)
+            probes = unfitted_ranges(program, schedule, segments, **cuts)
+            if probes:  # ranges the estimate cut: compiled whole (kept for later), measured, cut again
+                launched |= zip(probes, self._compiled_costs(flat, tuple(probes.values()), program, layout))
+                segments = cut_segments(program, schedule, **cuts)
             refuse_invalid("chain of segments", check_segments(program, schedule, segments))
             refuse_tokens_between(segments, flat.avals)
             functions = tuple(segment_functions(flat, segments, _labels(program), layout))
@@ -229,6 +237,12 @@ class StepPlanner:
         measured = dict(segments=segments, costs=tuple(costs), attempts=tuple(m for _, m in history), peak=peak)
         settled = SettledPlan(choice=choice, program=program, schedule=schedule, **measured)
         return self._finish(budget, settled, programs, functions, flat), settled
+
+    def _compiled_costs(self, flat: FlatProgram, segments: tuple, program: Program, layout: Any) -> list[int]:
+        """What launching each of ``segments`` allocates, compiled (into ``self.compiled``)."""
+        functions = tuple(segment_functions(flat, segments, _labels(program), layout))
+        _, costs = compile_segments(flat, segments, functions, self.compiled, layout)
+        return [cost.launch_bytes for cost in costs]
 
     def _finish(
         self,

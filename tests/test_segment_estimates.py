@@ -73,3 +73,41 @@ def test_xla_writes_the_new_parameters_over_the_donated_old_ones_as_the_estimate
         assert cost.alias_bytes >= nbytes
     assert plan.executed_peak_bytes <= budget
     jax.block_until_ready(step(jax.tree.map(lambda x: x.copy(), case.state), case.batches[0]))
+
+
+# -- ranges the estimate cuts, measured whole ------------------------------------------------------
+
+
+def four_steps() -> Program:
+    """x (1 MiB) -> a -> b -> c (4 MiB each) -> y (1 MiB): estimated at 10 MiB as one segment."""
+    sizes = {"x": MiB, "a": 4 * MiB, "b": 4 * MiB, "c": 4 * MiB, "y": MiB}
+    ops = [("f", ["x"], ["a"]), ("g", ["a"], ["b"]), ("h", ["b"], ["c"]), ("k", ["c"], ["y"])]
+    return Program.from_ops(ops, sizes, inputs=["x"], outputs=["y"])
+
+
+def test_a_range_the_estimate_cuts_but_might_fit_is_offered_whole_to_be_measured():
+    from oocjax.schedule.layer_cuts import segment_signature
+    from oocjax.schedule.segments import unfitted_ranges
+
+    program = four_steps()
+    plan = keep_all(program)
+    cut = cut_segments(program, plan, budget_bytes=9 * MiB)
+    assert len(cut) > 1  # 10 MiB by the estimate
+    probes = unfitted_ranges(program, plan, cut, budget_bytes=9 * MiB)
+    assert [(s.start, s.stop) for s in probes.values()] == [(0, 4)]
+    assert list(probes) == [segment_signature(program, 0, 4)]
+    # Measured once, it is not offered again; and where it would not fit even a quarter lower, never.
+    assert unfitted_ranges(program, plan, cut, budget_bytes=9 * MiB, measured=dict.fromkeys(probes, 8 * MiB)) == {}
+    far = cut_segments(program, plan, budget_bytes=7 * MiB)
+    assert unfitted_ranges(program, plan, far, budget_bytes=7 * MiB) == {}
+
+
+def test_a_range_whose_program_measured_within_the_budget_stays_one_segment():
+    from oocjax.schedule.layer_cuts import segment_signature
+
+    program = four_steps()
+    plan, signature = keep_all(program), segment_signature(program, 0, 4)
+    fits = cut_segments(program, plan, budget_bytes=9 * MiB, measured={signature: 6 * MiB})
+    assert [(s.start, s.stop) for s in fits] == [(0, 4)]  # 1 MiB held + 6 launched
+    over = cut_segments(program, plan, budget_bytes=9 * MiB, measured={signature: 8 * MiB + 1})
+    assert len(over) > 1

@@ -13,15 +13,8 @@ MIN_GROUPS = 4
 
 
 def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flops: int) -> frozenset[int]:
-    """The steps where groups of layers alike begin, and where the last of them ends.
-
-    In each pass (a kind's first word tells the backward's from the forward's), the runs of layers
-    are taken in groups of whole periods of their kinds (``Conv, BatchNorm, Conv, BatchNorm``: 2),
-    enough periods for ``min_flops`` of work. A group is cut out only where another group of the
-    pass is alike (``segment_signature``: the same operations on the same sizes, keeping the same values
-    for later), so that they run one compiled program; a group like no other is left to the cuts
-    the plan needs. A cut that buys no sharing costs a launch, compiles a program more and moves
-    where XLA rounds low-precision values.
+    """The steps where groups of layers alike begin, and where the last of them ends: the bounds
+    of ``layer_groups``.
 
     >>> from oocjax.schedule import Program
     >>> p = Program.from_ops([("f", ["x"], ["y"]), ("f", ["y"], ["z"]), ("h", ["z"], ["w"])],
@@ -31,7 +24,23 @@ def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flo
     >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 3, "Dense")], min_flops=0))  # the second is not
     []
     """
-    cuts: set[int] = set()
+    return frozenset(bound for group in layer_groups(program, layers, min_flops) for bound in group)
+
+
+def layer_groups(
+    program: Program, layers: Sequence[tuple[int, int, str]], min_flops: int
+) -> tuple[tuple[int, int], ...]:
+    """The steps ``(start, stop)`` of each group of layers that is alike another, in order.
+
+    In each pass (a kind's first word tells the backward's from the forward's), the runs of layers
+    are taken in groups of whole periods of their kinds (``Conv, BatchNorm, Conv, BatchNorm``: 2),
+    enough periods for ``min_flops`` of work. A group counts only where another group of the
+    pass is alike (``segment_signature``: the same operations on the same sizes, keeping the same values
+    for later), so that they run one compiled program; a group like no other is left to the cuts
+    the plan needs. A cut that buys no sharing costs a launch, compiles a program more and moves
+    where XLA rounds low-precision values.
+    """
+    groups: list[tuple[int, int]] = []
     for runs in _passes(layers):
         kinds = [kind for _, _, kind in runs]
         period = next(p for p in range(1, len(kinds) + 1) if kinds[p:] == kinds[:-p] or p == len(kinds))
@@ -44,15 +53,10 @@ def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flo
             wanted = min(wanted, len(blocks) // MIN_GROUPS)
         per_group = period * max(1, wanted)
         starts = [runs[i][0] for i in range(0, len(runs), per_group)]
-        bounds = [*starts, runs[-1][1]]
-        signatures = [segment_signature(program, a, y) for a, y in pairwise(bounds)]
-        shared = [signatures.count(sig) > 1 for sig in signatures]
-        for i, start in enumerate(starts):
-            if shared[i] or (i and shared[i - 1]):
-                cuts.add(start)
-        if shared[-1]:
-            cuts.add(bounds[-1])
-    return frozenset(cuts)
+        ranges = list(pairwise([*starts, runs[-1][1]]))
+        signatures = [segment_signature(program, a, y) for a, y in ranges]
+        groups += [r for r, signature in zip(ranges, signatures) if signatures.count(signature) > 1]
+    return tuple(groups)
 
 
 def segment_signature(program: Program, a: int, y: int) -> tuple:
