@@ -17,6 +17,9 @@ A segment trades timing fidelity for dispatch cost, and memory for both:
   written over donated old ones excepted: XLA updates those in place), and prefetches are issued
   at its start. ``segment_bytes`` counts exactly that; a segment over the budget is split
   in halves until it fits (a one-step segment is the per-step model, which the plan fits).
+  That count adds values up step by step, where XLA reuses memory inside a program: a range the
+  estimate splits but that might fit whole is compiled whole and measured first
+  (``unfitted_ranges``), and stays whole where its program measured within the budget.
 * **Cost.** A segment whose work is under ``min_segment_flops`` is merged with the next one where
   no offload would have to be waited for inside it and the merged segment still fits: launching a
   program costs tens of microseconds, which small segments cannot hide. A prefetch the merge leaves
