@@ -44,7 +44,7 @@ so all six configurations can take 11 minutes there: name the ones a run needs. 
 
     python benchmarks/gpu_check.py                  # on a GPU: writes benchmarks/results/gpu-<device>-<date>.json
     python benchmarks/gpu_check.py --out "$OUT"     # the same file name, in that folder
-    python benchmarks/gpu_check.py --dry-run        # anywhere, ~45 s: a CPU-tiny GPT, every code path
+    python benchmarks/gpu_check.py --dry-run        # anywhere, ~30 s on 2 cores: a CPU-tiny GPT, every code path
 
 The dry run (part of the test suite) checks the script, not a GPU: there is no memory cap on a
 CPU (no ``memory_stats``), ``ooc_jit``'s budget is half its plan's in-core estimate, and its
@@ -56,6 +56,7 @@ the JSON, which is rewritten after every configuration).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -98,6 +99,7 @@ ALL_CONFIGURATIONS = CONFIGURATIONS | NAMED_ONLY_CONFIGURATIONS
 SYNCED_ROWS_KEPT = 20  # per synced step, the launches with the largest gap: keeps the JSON small
 GPU_MODEL = dict(layers=16, width=1024, heads=16, batch=8, seq=1024, vocab=1024)
 DRY_MODEL = dict(layers=2, width=64, heads=4, batch=4, seq=32, vocab=256)
+DRY_RUN_PROCESSES = 2  # a dry run's processes at a time (a GPU run's: one)
 ENV_VARS = (
     "XLA_FLAGS",
     "XLA_PYTHON_CLIENT_PREALLOCATE",
@@ -808,8 +810,24 @@ def main() -> None:
         Path(out).write_text(json.dumps(record, indent=1) + "\n")
         return str(out)
 
+    def run(name: str, mem_fraction: float | None) -> dict:
+        """One configuration in a fresh process, or a record that the deadline skipped it."""
+        left = remaining()
+        if left < 10:
+            return dict(configuration=name, error=f"skipped: the {args.deadline:.0f} s deadline was reached")
+        return in_fresh_process(dict(common, configuration=name), mem_fraction, left)
+
     link = dict(configuration="link", jitted_mib=64 if dry else 1024, eager_mib=[4, 16] if dry else [4, 256])
-    record["link"] = in_fresh_process(link, None, remaining())
+    dry_runs = {}
+    if dry:
+        # A dry run starts its processes DRY_RUN_PROCESSES at a time, each still its own process: on a
+        # CPU no cap is sized from jax_jit's peak and no timing means anything, and one process keeps
+        # about one core busy. A GPU run starts one at a time, so that each runtime peak is its own.
+        pool = concurrent.futures.ThreadPoolExecutor(DRY_RUN_PROCESSES)
+        dry_runs["link"] = pool.submit(in_fresh_process, link, None, remaining())
+        dry_runs |= {name: pool.submit(run, name, None) for name in names}
+        pool.shutdown(wait=False)
+    record["link"] = dry_runs["link"].result() if dry else in_fresh_process(link, None, remaining())
     record["device"] = record["link"].get("device")
     print(describe(record["link"]), flush=True)
     if record["link"].get("platform") == "cpu" and not dry:  # nothing written: it would read as a GPU result
@@ -825,11 +843,7 @@ def main() -> None:
                 print(f"no jax_jit peak to size the cap from: MEM_FRACTION={mem_fraction}", flush=True)
         if capped:
             record["settings"]["mem_fraction"] = mem_fraction
-        left = remaining()
-        if left < 10:
-            result = dict(configuration=name, error=f"skipped: the {args.deadline:.0f} s deadline was reached")
-        else:
-            result = in_fresh_process(dict(common, configuration=name), mem_fraction if capped else None, left)
+        result = dry_runs[name].result() if dry else run(name, mem_fraction if capped else None)
         record["results"].append(result)
         record["device"] = record["device"] or result.get("device")
         out = write()

@@ -4,9 +4,12 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.background import Processes
 
 ROOT = Path(__file__).parent.parent
 
@@ -20,6 +23,30 @@ def checkout_commit() -> str:
     """The commit a benchmark run from this source tree records: git's HEAD in a clone; "unknown" in an
     unpacked sdist or ``git archive``, which have no .git."""
     return git_head(ROOT) if (ROOT / ".git").exists() else "unknown"
+
+
+@dataclass(frozen=True)
+class DryRun:
+    processes: Processes
+    out: Path  # the JSON the run writes
+    commit_before: str  # the source tree's commit when it started
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_check_dry_run(request, tmp_path_factory):
+    """``benchmarks/gpu_check.py --dry-run``, started with this module's first test where its test is
+    selected: its processes run while the tests before it run in this one (the segment profile's
+    test plans with fixed rates, and checks its timings for sign and order only)."""
+    processes, out = Processes(), tmp_path_factory.mktemp("gpu_check") / "gpu-dry.json"
+    commit_before = checkout_commit()
+    if any(
+        getattr(item, "function", None) is test_the_gpu_check_dry_run_runs_every_configuration_with_equal_losses
+        for item in request.session.items
+    ):
+        command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", out]
+        processes.queue("gpu_check", command, cwd=ROOT)
+    yield DryRun(processes, out, commit_before)
+    processes.close()
 
 
 def test_the_generated_measurements_and_the_readme_table_match_the_results_files():
@@ -62,55 +89,6 @@ def test_a_benchmark_records_the_commit_of_its_checkout_and_unknown_outside_one(
     assert source_commit(repository) == git_head(repository)
     # A tarball unpacked inside some other checkout is still not a checkout: that repository's HEAD is not its commit.
     assert source_commit(repository / "unpacked") == "unknown"
-
-
-@pytest.mark.slow  # every configuration in its own process: 80 s on 2 loaded CPU cores
-def test_the_gpu_check_dry_run_runs_every_configuration_with_equal_losses(tmp_path):
-    from benchmarks import gpu_check, report
-
-    out = tmp_path / "gpu-dry.json"
-    command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)]
-    commit_before = checkout_commit()
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    record = json.loads(out.read_text())
-    assert record["benchmark"] == "gpu_check" and record["dry_run"] and record["summary"]["failures"] == []
-    # The source tree's commit ("unknown" outside a git checkout), taken once the run started: HEAD may move meanwhile.
-    assert record["commit"] in {commit_before, checkout_commit()}
-    assert record["date"] and {"jax", "jaxlib", "flax", "optax"} <= set(record["versions"])
-    assert record["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
-
-    link = record["link"]
-    assert "error" not in link
-    assert link["jitted"]["d2h_GB_per_s"] > 0 and link["jitted"]["h2d_GB_per_s"] > 0
-    assert len(link["eager"]) == 2
-    assert all(e["d2h_GB_per_s"] > 0 and e["h2d_GB_per_s"] > 0 for e in link["eager"].values())
-
-    by = {r["configuration"]: r for r in record["results"]}
-    assert list(by) == list(gpu_check.CONFIGURATIONS)  # every configuration ran, in its own process
-    reference = by["jax_jit"]["losses"]
-    for r in by.values():
-        assert "error" not in r, r
-        assert r["device"] and r["process_s"] > 0 and r["s_per_step"] > 0 and all(t > 0 for t in r["step_s"])
-        assert len(r["losses"]) == record["settings"]["loss_steps"] and r["finite"]
-        assert r["losses"] == pytest.approx(reference, rel=1e-5)  # every strategy computes the same steps
-        if r["platform"] == "cpu":  # a CPU has no memory_stats(): no cap, no runtime peak
-            assert r["bytes_limit"] is None and r["runtime_peak_bytes"] is None
-        else:
-            assert r["runtime_peak_bytes"] > 0 and r["bytes_limit"] > 0
-
-    ooc = by["ooc_jit_capped"]
-    assert ooc["budget_bytes"] == int(0.5 * ooc["in_core_estimate_bytes"])
-    assert 0 < ooc["planned_peak_bytes"] <= ooc["budget_bytes"] and ooc["offloads"] > 0
-    assert ooc["executed_peak_bytes"] is None or ooc["executed_peak_bytes"] <= ooc["budget_bytes"]
-    # What a reader without the device needs to see why the plan is what it is.
-    assert ooc["planned_for_bytes"] <= ooc["budget_bytes"] and len(ooc["attempts"]) >= 1
-    assert ooc["profile"]["flops_per_s"] > 0 and ooc["summary"].startswith("oocjax plan")
-    assert all(by[name]["compiled"]["argument_size_in_bytes"] > 0 for name in by if name != "ooc_jit_capped")
-
-    table = report.gpu_check_lines(out.name, record)
-    rows = [line for line in table if line.startswith("| ") and not line.startswith("| configuration")]
-    assert len(rows) == len(gpu_check.CONFIGURATIONS)
 
 
 def test_the_gpu_check_fails_when_ooc_jit_goes_over_budget_and_the_measurements_say_so():
@@ -212,6 +190,55 @@ def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path, m
     assert record["remat_s"] > 0 and record["remat_peak_bytes"] > 0
     assert [row["fraction"] for row in record["at_remat_peak"]] == [1.0, 0.9, 0.8]
     assert all(row.get("s_per_step", 0) > 0 or "infeasible" in row for row in record["at_remat_peak"])
+
+
+# Here: after the segment profile's test, which runs while this one's processes do; before the first-call
+# test, which measures this process's rates and times with nothing running beside it.
+@pytest.mark.slow  # every configuration in its own process, two at a time: 27-45 s on 2 CPU cores
+def test_the_gpu_check_dry_run_runs_every_configuration_with_equal_losses(gpu_check_dry_run):
+    from benchmarks import gpu_check, report
+
+    out, commit_before = gpu_check_dry_run.out, gpu_check_dry_run.commit_before
+    result = gpu_check_dry_run.processes.result("gpu_check", timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "gpu_check" and record["dry_run"] and record["summary"]["failures"] == []
+    # The source tree's commit ("unknown" outside a git checkout), taken once the run started: HEAD may move meanwhile.
+    assert record["commit"] in {commit_before, checkout_commit()}
+    assert record["date"] and {"jax", "jaxlib", "flax", "optax"} <= set(record["versions"])
+    assert record["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+
+    link = record["link"]
+    assert "error" not in link
+    assert link["jitted"]["d2h_GB_per_s"] > 0 and link["jitted"]["h2d_GB_per_s"] > 0
+    assert len(link["eager"]) == 2
+    assert all(e["d2h_GB_per_s"] > 0 and e["h2d_GB_per_s"] > 0 for e in link["eager"].values())
+
+    by = {r["configuration"]: r for r in record["results"]}
+    assert list(by) == list(gpu_check.CONFIGURATIONS)  # every configuration ran, in its own process
+    reference = by["jax_jit"]["losses"]
+    for r in by.values():
+        assert "error" not in r, r
+        assert r["device"] and r["process_s"] > 0 and r["s_per_step"] > 0 and all(t > 0 for t in r["step_s"])
+        assert len(r["losses"]) == record["settings"]["loss_steps"] and r["finite"]
+        assert r["losses"] == pytest.approx(reference, rel=1e-5)  # every strategy computes the same steps
+        if r["platform"] == "cpu":  # a CPU has no memory_stats(): no cap, no runtime peak
+            assert r["bytes_limit"] is None and r["runtime_peak_bytes"] is None
+        else:
+            assert r["runtime_peak_bytes"] > 0 and r["bytes_limit"] > 0
+
+    ooc = by["ooc_jit_capped"]
+    assert ooc["budget_bytes"] == int(0.5 * ooc["in_core_estimate_bytes"])
+    assert 0 < ooc["planned_peak_bytes"] <= ooc["budget_bytes"] and ooc["offloads"] > 0
+    assert ooc["executed_peak_bytes"] is None or ooc["executed_peak_bytes"] <= ooc["budget_bytes"]
+    # What a reader without the device needs to see why the plan is what it is.
+    assert ooc["planned_for_bytes"] <= ooc["budget_bytes"] and len(ooc["attempts"]) >= 1
+    assert ooc["profile"]["flops_per_s"] > 0 and ooc["summary"].startswith("oocjax plan")
+    assert all(by[name]["compiled"]["argument_size_in_bytes"] > 0 for name in by if name != "ooc_jit_capped")
+
+    table = report.gpu_check_lines(out.name, record)
+    rows = [line for line in table if line.startswith("| ") and not line.startswith("| configuration")]
+    assert len(rows) == len(gpu_check.CONFIGURATIONS)
 
 
 @pytest.mark.slow  # 36 s on 2 loaded CPU cores

@@ -1,20 +1,39 @@
-"""The examples run as users run them, and do what they say: train under half their in-core memory."""
+"""The examples run as users run them, and do what they say: train under half their in-core memory.
+
+Each runs in its own process, two at a time (``tests/background.py``)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.background import Processes
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
+# In the order the tests ask for them: asking for one queues it and those after it.
+RUNS = {
+    "flax": ("train_flax.py", "--steps", "150"),
+    "nnx": ("train_nnx.py", "--steps", "150"),
+    "sharded": ("train_sharded.py", "--steps", "3"),
+}
 
 
-def run_example(script: str, *options: str, out: Path) -> dict:
-    command = [sys.executable, str(EXAMPLES / script), *options, "--json", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def run_example(tmp_path_factory):
+    """``run_example(name)``: the figures example run ``name`` wrote (``--json``)."""
+    processes, folder = Processes(), tmp_path_factory.mktemp("examples")
+
+    def run(name: str) -> dict:
+        for queued in list(RUNS)[list(RUNS).index(name) :]:
+            script, *options = RUNS[queued]
+            processes.queue(queued, [sys.executable, EXAMPLES / script, *options, "--json", folder / f"{queued}.json"])
+        result = processes.result(name)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return json.loads((folder / f"{name}.json").read_text())
+
+    yield run
+    processes.close()
 
 
 def assert_trained_under_half_the_in_core_estimate(
@@ -52,23 +71,23 @@ def test_the_check_fails_when_the_budget_forces_no_offloads_or_is_exceeded():
 
 
 @pytest.mark.slow
-def test_the_flax_example_trains_under_half_its_in_core_memory(tmp_path):
-    figures = run_example("train_flax.py", "--steps", "150", out=tmp_path / "flax.json")
+def test_the_flax_example_trains_under_half_its_in_core_memory(run_example):
+    figures = run_example("flax")
     assert len(figures["losses"]) == 150
     assert_trained_under_half_the_in_core_estimate(figures)
 
 
 @pytest.mark.slow
-def test_the_nnx_example_trains_under_half_its_in_core_memory(tmp_path):
-    figures = run_example("train_nnx.py", "--steps", "150", out=tmp_path / "nnx.json")
+def test_the_nnx_example_trains_under_half_its_in_core_memory(run_example):
+    figures = run_example("nnx")
     assert len(figures["losses"]) == 150
     # Its blocks are found by structure (NNX names none), and recomputing them by block fits half.
     assert_trained_under_half_the_in_core_estimate(figures, lowered_by=("offloads", "recomputed"))
 
 
 @pytest.mark.slow
-def test_the_sharded_example_trains_data_parallel_on_8_devices_within_its_per_device_budget(tmp_path):
-    figures = run_example("train_sharded.py", "--steps", "3", out=tmp_path / "sharded.json")
+def test_the_sharded_example_trains_data_parallel_on_8_devices_within_its_per_device_budget(run_example):
+    figures = run_example("sharded")
     assert figures["devices"] == 8 and figures["parameter_devices"] == [8]  # never gathered onto one device
     assert figures["budget_bytes"] <= figures["in_core_estimate_bytes"] // 2
     assert figures["moved_bytes"] or figures["recomputed"]

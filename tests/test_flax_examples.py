@@ -1,8 +1,11 @@
 """The examples written in Flax's own style (its ImageNet and lm1b training steps) train like ``jax.jit``
-under a budget that makes ``ooc_jit`` move or recompute values; and they run as users run them."""
+under a budget that makes ``ooc_jit`` move or recompute values; and they run as users run them.
+
+The scripts' processes start with the module's first test, two at a time (``tests/background.py``):
+they run while the tests in this process plan and train.
+"""
 
 import itertools
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,9 +15,11 @@ import pytest
 
 from examples import train_lm, train_resnet
 from oocjax import ooc_jit
+from tests.background import Processes
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 STEPS = 3
+SCRIPTS = ["train_resnet.py", "train_lm.py"]
 
 # As in test_ooc_jit_reference.py: segments compiled separately may reassociate float32 arithmetic, and
 # Adam's division by the root of small second moments enlarges those last-bit differences.
@@ -98,11 +103,22 @@ def test_the_language_model_example_draws_the_same_dropout_masks_as_jax_jit_at_a
     assert_trains_like_jax_jit(train(step, fresh(state), batches, dropout_rng), expected)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def scripts(request):
+    """The scripts the selected tests of this module run, started now."""
+    processes = Processes()
+    for item in request.session.items:
+        if getattr(item, "function", None) is test_the_flax_style_examples_run_as_scripts_and_print_a_loss_per_step:
+            script = item.callspec.params["script"]
+            processes.queue(script, [sys.executable, EXAMPLES / script, "--steps", "3"])
+    yield processes
+    processes.close()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train_resnet.py", "train_lm.py"])
-def test_the_flax_style_examples_run_as_scripts_and_print_a_loss_per_step(script):
-    command = [sys.executable, str(EXAMPLES / script), "--steps", "3"]
-    result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_flax_style_examples_run_as_scripts_and_print_a_loss_per_step(script, scripts):
+    result = scripts.result(script, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     losses = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert [line.split(":")[0] for line in losses] == ["step 0", "step 1", "step 2"], result.stdout
