@@ -36,7 +36,8 @@ from oocjax.refusals import (
 from oocjax.schedule import Program, Schedule, format_bytes, plan_window, required_bytes, validate
 from oocjax.schedule.chain import check_segments
 from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
-from oocjax.schedule.segments import cut_segments, executed_peak, unfitted_ranges, with_measured_scratch
+from oocjax.schedule.measured import executed_peak, unfitted_ranges, with_measured_scratch
+from oocjax.schedule.segments import cut_segments
 from oocjax.schedule.simulate import frees_host_state_early
 from oocjax.settled import SettledPlan
 from oocjax.transforms.calibrate import measure_profile

@@ -87,7 +87,7 @@ def four_steps() -> Program:
 
 def test_a_range_the_estimate_cuts_but_might_fit_is_offered_whole_to_be_measured():
     from oocjax.schedule.layer_cuts import segment_signature
-    from oocjax.schedule.segments import unfitted_ranges
+    from oocjax.schedule.measured import unfitted_ranges
 
     program = four_steps()
     plan = keep_all(program)

@@ -18,7 +18,8 @@ import oocjax
 from oocjax import ooc_jit
 from oocjax.arguments import layouts_key
 from oocjax.schedule import Program, keep_all
-from oocjax.schedule.segments import GatheringStep, SegmentCost, cut_segments, with_measured_scratch
+from oocjax.schedule.measured import with_measured_scratch
+from oocjax.schedule.segments import GatheringStep, SegmentCost, cut_segments
 from oocjax.transforms import memories
 
 ROOT = Path(__file__).resolve().parent.parent

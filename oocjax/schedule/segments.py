@@ -19,13 +19,13 @@ A segment trades timing fidelity for dispatch cost, and memory for both:
   in halves until it fits (a one-step segment is the per-step model, which the plan fits).
   That count adds values up step by step, where XLA reuses memory inside a program: a range the
   estimate splits but that might fit whole is compiled whole and measured first
-  (``unfitted_ranges``), and stays whole where its program measured within the budget.
+  (``measured.unfitted_ranges``), and stays whole where its program measured within the budget.
 * **Cost.** A segment whose work is under ``min_segment_flops`` is merged with the next one where
   no offload would have to be waited for inside it and the merged segment still fits: launching a
   program costs tens of microseconds, which small segments cannot hide. A prefetch the merge leaves
   inside the segment is issued at its start if the segment reads it, else at the next boundary.
 
-``executed_peak`` gives the peak of the chain from the programs' measured sizes; ``schedule.chain``
+``measured.executed_peak`` gives the peak of the chain from the programs' measured sizes; ``schedule.chain``
 puts the segments in the order they run and checks that they run at all.
 """
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
 from oocjax.schedule.layer_cuts import layer_cuts, segment_signature
@@ -86,7 +86,7 @@ class GatheringStep(Step):
     Attributes:
       gathered_bytes: the part of ``transient_bytes`` that is the collective's scratch, summed over
         a segment's gathering steps (by default all of it). The rest (scratch learnt from measured
-        segments, ``with_measured_scratch``) is held only while the step runs, as any step's is: a
+        segments, ``measured.with_measured_scratch``) is held only while the step runs, as any step's is: a
         segment's excess counts once, not once per gathering step.
     """
 
@@ -333,7 +333,7 @@ def cut_segments(
       copies: ``(original, copy)`` steps never to run in one segment (where the compiler would
         merge a recomputed value back into its original inside one program).
       measured: what launching compiled ranges allocated (``SegmentCost.launch_bytes``), by their
-        ``segment_signature`` (``unfitted_ranges``): a range between cuts whose program measured
+        ``segment_signature`` (``measured.unfitted_ranges``): a range between cuts whose program measured
         to fit stays whole, where the estimate would have cut it.
 
     >>> from oocjax.schedule import Program, keep_all
@@ -380,48 +380,6 @@ def _bounds(
     return [*sorted(c for c in cuts | hard if c < n), n], hard
 
 
-# A range the estimate cuts is compiled whole, to be measured, only where it would fit with what it
-# allocates estimated this much lower: XLA reuses memory inside a program that the estimate, adding
-# up values step by step, cannot see (a decoder layer's backward pass measured 15% under it, its
-# forward pass 35%), and a range far over is not worth a compile thrown away.
-PROBE_SLACK = 0.25
-
-
-def unfitted_ranges(
-    program: Program,
-    schedule: Schedule,
-    segments: Sequence[Segment],
-    *,
-    budget_bytes: int,
-    min_segment_flops: int = 0,
-    min_segments: int = 1,
-    cut_before: Iterable[int] = (),
-    layers: Sequence[tuple[int, int, str]] = (),
-    copies: Sequence[tuple[int, int]] = (),
-    measured: Mapping[tuple, int] | None = None,
-) -> dict[tuple, Segment]:
-    """The ranges between cuts (``cut_segments``' arguments) that ``segments`` cut into pieces by
-    the estimate and that might fit whole (``PROBE_SLACK``), each as one segment by its
-    ``segment_signature``, one per signature not in ``measured``: to compile and measure, then cut
-    again with ``measured``. On the 4-layer decoder of ``examples/decoders.py`` at 30% of its
-    in-core peak, a layer's backward pass estimated at 7.40 MB measured 6.28 MB; two of the four
-    backward layers were cut into 6 and 10 pieces by the estimate, each a program to compile."""
-    if min_segments > 1:
-        return {}  # cut for a count: as the estimate says
-    cutter, whole, probes = _Segmenter(program, schedule), {(s.start, s.stop) for s in segments}, {}
-    bounds, _ = _bounds(program, schedule, min_segments, cut_before, layers, min_segment_flops)
-    original_of = dict((c, o) for o, c in copies)
-    for a, y in pairwise(bounds):
-        if (a, y) in whole or not cutter.fits_as_one(a, y) or _mixes(a, y, original_of):
-            continue
-        held, estimate = cutter.estimate(a, y)
-        if held + (1 - PROBE_SLACK) * (estimate - held) <= budget_bytes < estimate:
-            signature = segment_signature(program, a, y)
-            if signature not in (measured or {}):
-                probes.setdefault(signature, cutter.segment(a, y, None))
-    return probes
-
-
 def _apart(a: int, y: int, original_of: dict[int, int]) -> list[tuple[int, int]]:
     """Steps a..y-1 cut before every copy that would otherwise share its segment with its original
     or with another copy of it."""
@@ -466,39 +424,3 @@ def _merge_small(
         else:
             merged.append((a, y))
     return merged
-
-
-def executed_peak(segments: tuple[Segment, ...], costs: tuple[SegmentCost, ...]) -> tuple[int, int | None]:
-    """(peak device bytes, the segment that reaches it) of the chain with measured programs: per
-    segment, what the executor holds when it launches it plus what launching it allocates."""
-    peaks = [s.held_bytes + c.launch_bytes for s, c in zip(segments, costs, strict=True)]
-    if not peaks:
-        return 0, None
-    worst = max(range(len(peaks)), key=peaks.__getitem__)
-    return peaks[worst], worst
-
-
-def with_measured_scratch(
-    program: Program, segments: tuple[Segment, ...], costs: tuple[SegmentCost, ...], budget_bytes: int
-) -> Program:
-    """``program`` with the memory its compiled segments need beyond the estimate added as scratch
-    of their steps: planned again, less is held around them. Every underestimate is fed back, not
-    only those that broke the budget, so that the next plan does not meet them one by one.
-
-    A segment's excess is one amount, counted once by its estimate: a ``GatheringStep`` keeps its
-    gathered scratch apart (``gathered_bytes``, summed over the segment), and the excess joins the
-    scratch it holds only while it runs (the segment's peak over its steps), as for any step."""
-    transient = [step.transient_bytes for step in program.steps]
-    for segment, cost in zip(segments, costs, strict=True):
-        excess = cost.launch_bytes - (segment.estimate_bytes - segment.held_bytes)
-        if segment.held_bytes + cost.launch_bytes > budget_bytes:
-            excess = max(excess, segment.held_bytes + cost.launch_bytes - budget_bytes)
-        if excess <= 0:
-            continue
-        for k in range(segment.start, segment.stop):
-            transient[k] += excess
-    steps = tuple(
-        step if extra == step.transient_bytes else replace(step, transient_bytes=extra)
-        for step, extra in zip(program.steps, transient)
-    )
-    return Program(steps=steps, buffers=program.buffers)
