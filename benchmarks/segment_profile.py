@@ -53,6 +53,10 @@ from oocjax.transforms import account
 from oocjax.transforms.execute import observe_segments
 
 H200_BUDGET_BYTES = 8286266982  # gpu_check's budget on the H200: 0.8 of the allocator limit under a 0.069 fraction
+# ooc_jit's budgets as shares of per-block remat's peak. A dry run keeps one at the peak (where the
+# CPU-tiny GPT moves nothing) and one below it (segments): the code paths the three take.
+REMAT_FRACTIONS = (1.0, 0.9, 0.8)
+DRY_REMAT_FRACTIONS = (1.0, 0.8)
 
 
 def profile(model: dict, budget_bytes: int | None, steps: int, dry_run: bool, trace_dir: str | None = None) -> dict:
@@ -135,7 +139,7 @@ def profile(model: dict, budget_bytes: int | None, steps: int, dry_run: bool, tr
         segments=rows,
         dry_run=dry_run,
         **executor_costs(step, carried, batch, steps),
-        **against_remat(model, work, state, batch, jit_s, steps, options, trace_dir),
+        **against_remat(model, work, state, batch, jit_s, steps, options, trace_dir, dry_run),
     )
 
 
@@ -171,11 +175,14 @@ def executor_costs(step, carried: list, batch, steps: int) -> dict:
     return row
 
 
-def against_remat(model: dict, work, state, batch, jit_s: float, steps: int, options: dict, trace_dir) -> dict:
+def against_remat(
+    model: dict, work, state, batch, jit_s: float, steps: int, options: dict, trace_dir, dry_run: bool = False
+) -> dict:
     """Every block in ``nn.remat(nothing_saveable)``: its step time and peak (its compiled program's
-    arguments, outputs and scratch); ``ooc_jit`` at that peak and at 90% and 80% of it, fresh
-    wrappers, state donated: step time, bytes moved, values recomputed. With ``trace_dir``, a
-    profiler trace of one step of ``jax.jit``, remat and ``ooc_jit`` at remat's peak."""
+    arguments, outputs and scratch); ``ooc_jit`` at that peak and at 90% and 80% of it
+    (``REMAT_FRACTIONS``; a dry run's: ``DRY_REMAT_FRACTIONS``), fresh wrappers, state donated: step
+    time, bytes moved, values recomputed. With ``trace_dir``, a profiler trace of one step of
+    ``jax.jit``, remat and ``ooc_jit`` at remat's peak."""
     remat = workload(model, "remat_block_nothing_saveable")
     remat_jitted = jax.jit(remat.step)
     stats = remat_jitted.lower(state, batch).compile().memory_analysis()
@@ -184,7 +191,7 @@ def against_remat(model: dict, work, state, batch, jit_s: float, steps: int, opt
     remat_s = median_seconds(lambda: remat_jitted(state, batch), steps)
     print(f"per-block remat {remat_s * 1e3:7.2f} ms/step ({remat_s / jit_s:.2f}x jax.jit), peak {peak / 2**30:.3f} GiB")
     rows = []
-    for fraction in (1.0, 0.9, 0.8):
+    for fraction in DRY_REMAT_FRACTIONS if dry_run else REMAT_FRACTIONS:
         step = ooc_jit(work.step, budget=int(fraction * peak), donate_argnums=(0,), **options)
         try:
             plan = step.plan(state, batch)

@@ -177,9 +177,16 @@ def real_step():
     return step, state, x, budget
 
 
-def test_a_cpu_reports_no_allocator_so_a_real_step_runs_as_without_the_gate(real_step, monkeypatch):
+@pytest.fixture(scope="module")
+def as_it_runs(real_step):
+    """``run_two_steps`` with nothing patched (on a CPU: no allocator to read), once for the tests
+    that compare a patched run with it."""
+    return run_two_steps(*real_step)
+
+
+def test_a_cpu_reports_no_allocator_so_a_real_step_runs_as_without_the_gate(real_step, as_it_runs, monkeypatch):
     assert execute.allocator_reader(jax.devices()[0]) is None
-    gated, gated_launches, _ = run_two_steps(*real_step)
+    gated, gated_launches, _ = as_it_runs
     monkeypatch.setattr(account, "ALLOCATOR_GATE", False)
     plain, plain_launches, _ = run_two_steps(*real_step)
     # The same segments with the same bytes held, launch by launch (what is in flight depends on timing).
@@ -192,9 +199,9 @@ def test_a_cpu_reports_no_allocator_so_a_real_step_runs_as_without_the_gate(real
 
 
 def test_a_real_step_under_an_allocator_never_with_room_waits_at_every_launch_and_computes_the_same(
-    real_step, monkeypatch
+    real_step, as_it_runs, monkeypatch
 ):
-    plain, plain_launches, _ = run_two_steps(*real_step)
+    plain, plain_launches, _ = as_it_runs
     allocator = Allocator(0, growth=real_step[-1])
     monkeypatch.setattr(execute, "allocator_reader", lambda device: allocator)
     gated, gated_launches, rooms_made = run_two_steps(*real_step)
@@ -210,9 +217,9 @@ def test_a_real_step_under_an_allocator_never_with_room_waits_at_every_launch_an
 
 
 def test_a_real_step_takes_what_the_allocator_has_in_use_beyond_its_account_when_a_call_starts_as_foreign(
-    real_step, monkeypatch
+    real_step, as_it_runs, monkeypatch
 ):
-    plain, _, _ = run_two_steps(*real_step)
+    plain, _, _ = as_it_runs
     budget = real_step[-1]
     allocator = Allocator(4 * budget)  # the caller's other arrays: 4 budgets, before and throughout
     monkeypatch.setattr(execute, "allocator_reader", lambda device: allocator)
@@ -334,10 +341,10 @@ def waited_memory_kinds(real_step, monkeypatch, *, compute_synchronized: bool) -
     return kinds, results
 
 
-def test_a_real_step_on_a_compute_synchronized_device_waits_only_for_copies_to_host(real_step, monkeypatch):
+def test_a_real_step_on_a_compute_synchronized_device_waits_only_for_copies_to_host(real_step, as_it_runs, monkeypatch):
     kinds, results = waited_memory_kinds(real_step, monkeypatch, compute_synchronized=True)
     assert kinds and set(kinds) == {"pinned_host"}, kinds
-    plain, _, _ = run_two_steps(*real_step)
+    plain, _, _ = as_it_runs
     for a, b in zip(results, plain, strict=True):
         np.testing.assert_array_equal(a, b)
 

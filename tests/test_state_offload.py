@@ -2,6 +2,8 @@
 the budget trains as under ``jax.jit``, within the budget, moving what its plan says; its updates
 follow their gradients, which moves less than the traced order."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +24,10 @@ from oocjax.transforms.execute import observe_segments
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
 
+@functools.cache
 def gpt_parts():
-    """3 layers of width 128 (state 7.2 MiB with AdamW), a batch small enough for a third of that."""
+    """3 layers of width 128 (state 7.2 MiB with AdamW), a batch small enough for a third of that.
+    Built once (a new ``init`` would compile again): the tests copy the state before they donate it."""
     model = Transformer(vocab=128, width=128, heads=4, layers=3, causal=True)
     optimizer = optax.adamw(1e-3)
 
@@ -34,6 +38,7 @@ def gpt_parts():
     return next_token_step(model, optimizer), init, jax.random.randint(jax.random.key(1), (2, 17), 0, 128)
 
 
+@functools.cache
 def gpt_case():
     step, init, tokens = gpt_parts()
     return step, jax.jit(init)(jax.random.key(0)), tokens
@@ -41,6 +46,25 @@ def gpt_case():
 
 def state_bytes(state) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+@functools.cache
+def estimated_plan(*, moved_rounds: int, reordered: bool):
+    """The GPT's plan at a third of its state, planned alone: each segment's cost estimated, nothing
+    compiled (``benchmarks.state_offload.estimated_costs``). ``moved_rounds``: the rounds that
+    recompute moved values again (``hybrid.MOVED_ROUNDS``); ``reordered``: the optimizer's updates
+    moved next to their gradients (``reorder_tail``), or left in the traced order. Made once for the
+    tests that compare such plans."""
+    from benchmarks.state_offload import estimated_costs
+
+    step, state, tokens = gpt_case()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "compile_segments", estimated_costs)
+        patch.setattr(hybrid, "MOVED_ROUNDS", moved_rounds)
+        if not reordered:
+            patch.setattr(trace_module, "reorder_tail", lambda flat, donated, budget_bytes: flat)
+        ooc = ooc_jit(step, budget=state_bytes(state) // 3, donate_argnums=(0,), min_offload_bytes=4096)
+        return ooc.plan(state, tokens)
 
 
 @pytest.mark.slow  # 13 s here
@@ -68,30 +92,17 @@ def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_i
     assert any(b.label.startswith("recompute of recompute of") for b in plan.program.buffers)  # both rounds ran
 
 
-def test_values_a_plan_would_move_are_recomputed_again_where_that_is_cheaper_so_less_moves(monkeypatch):
-    from benchmarks.state_offload import estimated_costs
-
-    monkeypatch.setattr(pipeline, "compile_segments", estimated_costs)  # plans alone: nothing to compile
-    monkeypatch.setattr(hybrid, "MOVED_ROUNDS", 2)
-    step, state, tokens = gpt_case()
-    budget = state_bytes(state) // 3
-    again = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096).plan(state, tokens)
-    monkeypatch.setattr(hybrid, "MOVED_ROUNDS", 0)
-    once = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096).plan(state, tokens)
+def test_values_a_plan_would_move_are_recomputed_again_where_that_is_cheaper_so_less_moves():
+    again = estimated_plan(moved_rounds=2, reordered=True)
+    once = estimated_plan(moved_rounds=0, reordered=True)
     moved = [plan.timeline.h2d_bytes + plan.timeline.d2h_bytes for plan in (again, once)]
     assert moved[0] < moved[1]
     assert any(b.label.startswith("recompute of recompute of") for b in again.program.buffers)
 
 
-def test_updates_moved_next_to_their_gradients_move_less_than_the_traced_order(monkeypatch):
-    from benchmarks.state_offload import estimated_costs
-
-    monkeypatch.setattr(pipeline, "compile_segments", estimated_costs)  # plans alone: nothing to compile
-    step, state, tokens = gpt_case()
-    budget = state_bytes(state) // 3
-    early = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096).plan(state, tokens)
-    monkeypatch.setattr(trace_module, "reorder_tail", lambda flat, donated, budget_bytes: flat)
-    traced = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096).plan(state, tokens)
+def test_updates_moved_next_to_their_gradients_move_less_than_the_traced_order():
+    early = estimated_plan(moved_rounds=hybrid.MOVED_ROUNDS, reordered=True)  # the planner's default rounds
+    traced = estimated_plan(moved_rounds=hybrid.MOVED_ROUNDS, reordered=False)
     assert early.timeline.h2d_bytes < traced.timeline.h2d_bytes
     assert early.timeline.d2h_bytes <= traced.timeline.d2h_bytes
 
