@@ -106,7 +106,9 @@ def test_gradients_through_a_reverse_scan_run_per_iteration_equal_the_reference(
     ooc = ooc_jit(grad, budget=int(in_core * 0.3), min_offload_bytes=4096, recompute="off")
     w, x = to_host((W, X))  # not donated: passed in host memory, so that the step may stream them in
     assert ooc.plan(w, x).offloads
-    np.testing.assert_allclose(np.asarray(to_device(ooc(w, x))), np.asarray(jax.jit(grad)(W, X)), rtol=1e-6, atol=1e-9)
+    # Within float32 rounding of a sum reassociated: on a CPU without AVX-512, per-iteration programs
+    # summed the last two of 128 columns in another order than jax.jit's one program (2.5e-6 apart).
+    np.testing.assert_allclose(np.asarray(to_device(ooc(w, x))), np.asarray(jax.jit(grad)(W, X)), rtol=1e-5, atol=1e-9)
 
 
 def test_iterations_of_a_scan_share_compiled_segments():
