@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax.schedule import plan_window, required_bytes, simulate, simulate_time
-from oocjax.schedule.hybrid import MOVE_MARGIN, _Candidate, _steadiest, plan_hybrid
-from oocjax.schedule.rewrite import identity_rewrite
+from oocjax.schedule.hybrid import MOVE_MARGIN, plan_hybrid
 from oocjax.schedule.synthetic import layered_training_step
 from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.recompute import recomputable_steps
@@ -156,20 +155,3 @@ def test_on_a_layered_step_recomputation_fits_where_swap_only_moves():
     assert not chosen.swap_only.moves_nothing
     off = plan_hybrid(program, 160 * MiB, recomputable=lambda s: True, profile="h100-pcie", recompute="off")
     assert not off.rewrite.recomputed and off.schedule == chosen.swap_only
-
-
-def test_a_by_block_plan_within_the_margin_of_the_fastest_replaces_one_that_moves_fewer_bytes():
-    program = layered_training_step(3)
-    peak = simulate(program, plan_window(program, 2**62)).peak_bytes
-    fewer, more = (plan_window(program, int(peak * share)) for share in (0.9, 0.7))
-    assert 0 < fewer.moved_bytes(program) < more.moved_bytes(program)
-
-    def candidate(schedule, seconds, by_block):
-        return _Candidate(identity_rewrite(program), schedule, seconds, by_block)
-
-    selector = candidate(fewer, 1.0, by_block=False)
-    assert _steadiest([selector, candidate(more, 1.0 + MOVE_MARGIN / 2, by_block=True)]).by_block
-    assert not _steadiest([selector, candidate(more, 1.0 + 2 * MOVE_MARGIN, by_block=True)]).by_block
-    moving_nothing = candidate(plan_window(program, peak), 1.0, by_block=False)
-    assert moving_nothing.schedule.moves_nothing
-    assert not _steadiest([moving_nothing, candidate(more, 1.0, by_block=True)]).by_block

@@ -5,8 +5,8 @@ backward needs. The per-value selector (``choose_recompute``) cannot always get 
 time: some classes (LayerNorm's centred input and its scale, say) lower the peak only together, so
 each alone is rejected, and the plan moves state instead. Offered whole (the selector forced to
 recompute every member, split at the forward/backward turn, then adding its own picks), the block
-candidate is planned and timed like the others (``plan_hybrid``), and taken where the model puts it
-within ``hybrid.MOVE_MARGIN`` of the fastest and no plan moves nothing (``hybrid._steadiest``).
+candidate is planned and timed like the others (``plan_hybrid``), and taken where it moves fewer
+bytes at a time the model puts within ``hybrid.MOVE_MARGIN`` of the fastest.
 
 The members of a block (its steps ``start .. stop - 1`` in the forward pass) are the computed
 values it makes, less those the forward pass reads after the block (its output, the next block's

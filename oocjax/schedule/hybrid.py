@@ -16,12 +16,10 @@ chosen plan still moves is recomputed instead where a copy costs less than the r
 the backward pass is held until its last read there, and the planner moves it across the peak in
 between; the next round drops that copy and computes it again where it is read.
 
-All are timed with the same device profile (``simulate_time``). The plan moving the fewest bytes
-is taken unless another is faster by more than ``MOVE_MARGIN`` (PoocH's rule, recompute where that
-costs less than moving, with the model's error allowed for); where that plan still moves, the
-by-block plan within ``MOVE_MARGIN`` of the fastest is taken instead (``_steadiest``). A hybrid
-that moves nothing is what recomputation is for: it wins as soon as the FLOPs it adds cost less
-than the exposed transfers they replace.
+All are timed with the same device profile (``simulate_time``); a recomputing plan is taken only
+when it is faster, or as fast and moving less (PoocH's rule: recompute where recomputing costs less than
+moving), so the answer is never slower than swap-only by the model. A hybrid that moves nothing is what recomputation
+is for: it wins as soon as the FLOPs it adds cost less than the exposed transfers they replace.
 """
 
 from __future__ import annotations
@@ -180,21 +178,12 @@ def _chosen(
 
 def _steadiest(candidates: list[_Candidate]) -> _Candidate:
     """The candidate moving the fewest bytes (the fastest of those), unless one moving more is
-    faster by more than ``MOVE_MARGIN``; ties in time go to fewer copies. Where that one still
-    moves, a by-block candidate within ``MOVE_MARGIN`` of the fastest is taken instead (the one
-    moving least): its layers are alike by construction. The selector's picks, and with them how
-    each layer's backward pass is cut to fit, follow the device's measured rates layer by layer: on
-    the 4-layer decoders of ``examples/decoders.py`` its plan moved 0.9 MB less than the by-block one,
-    within 7% of its time by the model, and compiled 16 programs where the by-block plan compiles 9."""
+    faster by more than ``MOVE_MARGIN``; ties in time go to fewer copies."""
     ordered = sorted(candidates, key=lambda c: (c.moved_bytes, c.time_s, _moved(c.schedule)))
     chosen = ordered[0]
     for candidate in ordered[1:]:
         if candidate.time_s * (1 + MOVE_MARGIN) < chosen.time_s:
             chosen = candidate
-    fastest = min(c.time_s for c in candidates)
-    by_block = [c for c in ordered if c.by_block and c.time_s <= fastest * (1 + MOVE_MARGIN)]
-    if by_block and not chosen.by_block and not chosen.schedule.moves_nothing:
-        return by_block[0]
     return chosen
 
 
