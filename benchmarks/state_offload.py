@@ -67,10 +67,11 @@ GPU_OPTIONS = dict(min_segment_flops=4 * 10**11, min_offload_bytes=2**20, host_b
 DISTINCT_PROGRAMS: list[int] = []  # per call of estimated_costs: the programs it would compile
 
 
-def estimated_costs(flat, segments, functions, cache=None, layout=None):
+def estimated_costs(flat, segments, functions, cache=None, layout=None, budget_bytes=None):
     """``compile_segments`` without compiling: each segment's scratch is what the planner estimated
     for it beyond its arguments and results (a GPU run measures it instead). It counts the distinct
-    programs ``compile_segments`` would compile, by the same key."""
+    programs ``compile_segments`` would compile at most (alike segments that donate otherwise
+    share one where it fits the budget)."""
     DISTINCT_PROGRAMS.append(len({(segment_key(flat, s), segment_module._donated(s)) for s in segments}))
     costs = []
     for s in segments:

@@ -37,10 +37,12 @@ from oocjax.schedule import Program, Schedule, format_bytes, plan_window, requir
 from oocjax.schedule.chain import check_segments
 from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
 from oocjax.schedule.measured import executed_peak, unfitted_ranges, with_measured_scratch
+from oocjax.schedule.rewrite import runs_after
 from oocjax.schedule.segments import cut_segments
 from oocjax.schedule.simulate import frees_host_state_early
 from oocjax.settled import SettledPlan
 from oocjax.transforms.calibrate import measure_profile
+from oocjax.transforms.compile import compile_segments
 from oocjax.transforms.execute import ChainExecutor
 from oocjax.transforms.flat import FlatProgram
 from oocjax.transforms.layers import layer_runs
@@ -48,7 +50,6 @@ from oocjax.transforms.recompute import apply_rewrite, recomputable_steps
 from oocjax.transforms.segment import (
     chain_function,
     chain_jaxpr,
-    compile_segments,
     executable_chain,
     flat_chain,
     segment_functions,
@@ -176,7 +177,9 @@ class StepPlanner:
         flat = _flat_of(self.traced, rewrite)
         layout = _layout(self.traced, rewrite)
         functions = tuple(segment_functions(flat, settled.segments, _labels(settled.program), layout))
-        programs, _ = compile_segments(flat, settled.segments, functions, self.compiled, layout)
+        programs, _ = compile_segments(
+            flat, settled.segments, functions, self.compiled, layout, budget_bytes=budget.planned_bytes
+        )
         return self._finish(budget, settled, programs, functions, flat)
 
     def _make(self, budget: Budget) -> tuple[BuiltStep, SettledPlan]:
@@ -194,7 +197,7 @@ class StepPlanner:
         program, schedule, rewrite = choice.program, choice.schedule, choice.rewrite
         flat = _flat_of(traced, rewrite)
         layout = _layout(traced, rewrite)
-        layers = layer_runs(flat) if rewrite.recomputed else traced_layers  # copies move the layers
+        layers = runs_after(rewrite, traced_layers)  # the copies join the layers they are made for
         history, worst_text, halved = [], "", set()
         launched: dict[tuple, int] = {}  # what compiled ranges of steps allocate, by their signature
         while True:
@@ -202,8 +205,7 @@ class StepPlanner:
                 settled = SettledPlan(choice=choice, program=program, schedule=schedule)
                 return self._finish(budget, settled), settled
             check_host_peak(program, schedule, self.host_limit, self.local_copies)
-            cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments)
-            cuts["layers"] = layers
+            cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments, layers=layers)
             cuts["cut_before"] = tuple(halved)
             cuts["copies"] = _copies(flat) if _MERGES_COPIES.get(_platform()) else ()
             cuts |= dict(budget_bytes=budget.planned_bytes, measured=launched)
@@ -215,7 +217,9 @@ class StepPlanner:
             refuse_invalid("chain of segments", check_segments(program, schedule, segments))
             refuse_tokens_between(segments, flat.avals)
             functions = tuple(segment_functions(flat, segments, _labels(program), layout))
-            programs, costs = compile_segments(flat, segments, functions, self.compiled, layout)
+            programs, costs = compile_segments(
+                flat, segments, functions, self.compiled, layout, budget_bytes=budget.planned_bytes
+            )
             peak, worst = executed_peak(segments, costs)
             history.append((budget.planned_bytes, peak))
             if peak <= budget.planned_bytes:

@@ -177,3 +177,31 @@ def test_each_layers_update_runs_the_program_of_the_layer_before_it_and_trains_a
     # programs that round otherwise move it otherwise (1.2e-4 in the traced order too).
     for a, b in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(jax.device_get(expected)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-4)
+
+
+# The plain decoder's plan keeps the bottom layer's input for its backward pass: nothing to donate.
+@pytest.mark.parametrize("way", ["linen_auto", "linen_named", "nnx"])
+def test_the_bottom_layer_donating_its_input_runs_the_program_of_the_layers_above_it(way, monkeypatch):
+    """Where the plan recomputes the bottom layer's input (an embedding lookup) rather than keep
+    it, the bottom layer's segment donates it while the layers above keep theirs: alike equations,
+    other donation. They run one compiled program where it fits the budget there, not two (planned
+    with the published CPU rates, as measured rates move the plan)."""
+    from oocjax import ooc_jit, pipeline
+    from oocjax.schedule.profiles import resolve_profile
+    from oocjax.transforms.segment import segment_key
+
+    monkeypatch.setattr(pipeline, "measure_profile", lambda *args, **kwargs: resolve_profile("cpu"))
+    step, state, batch = decoder_case(way, DEPTH)
+    budget = int(ooc_jit(step, budget=2**62).plan(state, batch).baseline_peak_bytes * 0.3)
+    wrapped = ooc_jit(step, budget=budget, donate_argnums=0, min_offload_bytes=4096)
+    plan = wrapped.plan(state, batch)
+
+    (planner,) = wrapped._planners.values()
+    flat, segments, programs = planner.built.flat, plan.segments, planner.built.programs
+    forward = [a for a, _, kind in layer_runs(planner.traced.flat) if " " not in kind]
+    layers = [k for k, s in enumerate(segments) if s.start in forward]
+    assert len(layers) == DEPTH and len({segment_key(flat, segments[k]) for k in layers}) == 1
+    bottom, above = layers[0], layers[1:]
+    assert segments[bottom].donated and not any(segments[k].donated for k in above)
+    assert len({id(programs[k]) for k in layers}) == 1
+    assert plan.executed_peak_bytes <= budget

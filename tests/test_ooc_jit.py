@@ -308,10 +308,10 @@ def test_a_segment_measured_over_the_budget_is_planned_again_with_its_real_scrat
 
 def test_segments_that_never_fit_raise_naming_the_largest_segment_and_its_lines(monkeypatch):
     budget = tight_step().budget_bytes
-    real_cost = oocjax.transforms.segment._cost
+    real_cost = oocjax.transforms.compile._cost
     # STUB: every compiled segment reports scratch of twice the budget, as no real program would.
     monkeypatch.setattr(
-        oocjax.transforms.segment, "_cost", lambda compiled: replace(real_cost(compiled), temp_bytes=2 * budget)
+        oocjax.transforms.compile, "_cost", lambda compiled: replace(real_cost(compiled), temp_bytes=2 * budget)
     )
     with pytest.raises(OocError, match=r"do not fit the budget .* measured") as caught:
         ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB).plan(HOST_PARAMS, HOST_X)

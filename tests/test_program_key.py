@@ -59,9 +59,9 @@ def test_segments_read_off_the_flat_program_share_programs_exactly_when_their_tr
     seen = []
     compile_segments = pipeline.compile_segments
 
-    def spy(flat, segments, functions, cache=None, layout=None):
+    def spy(flat, segments, functions, cache=None, layout=None, **budget):
         seen.append((flat, segments, functions))
-        return compile_segments(flat, segments, functions, cache, layout)
+        return compile_segments(flat, segments, functions, cache, layout, **budget)
 
     monkeypatch.setattr(pipeline, "compile_segments", spy)
     case = getattr(zoo, case)()

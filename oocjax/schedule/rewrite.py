@@ -29,7 +29,7 @@ layer can bind the original equations with remapped buffers.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from operator import attrgetter
 
@@ -336,6 +336,26 @@ def compose(first: Rewrite, second: Rewrite) -> Rewrite:
         peak_bytes_before=first.peak_bytes_before,
         peak_bytes=second.peak_bytes,
     )
+
+
+def runs_after(rewrite: Rewrite, runs: Sequence[tuple[int, int, str]]) -> tuple[tuple[int, int, str], ...]:
+    """Runs ``(start, stop, kind)`` of the original program's steps (``transforms.layers``) as runs of
+    the rewritten one: each from just after the original step before its first, so that the copies
+    made for its steps join it, to just after its last. Runs found again in the rewritten program
+    are not as good: copies a layer recomputes in its own way (its input's producer, at the bottom
+    layer) break the repeats a search by structure looks for.
+
+    >>> p = Program.from_ops(
+    ...     [("f", ["x"], ["a"]), ("g", ["a"], ["b"]), ("h", ["b"], ["c"]), ("m", ["c"], ["d"]),
+    ...      ("k", ["a", "d"], ["y"])],
+    ...     {"x": 1, "a": 8, "b": 1, "c": 8, "d": 1, "y": 1}, inputs=["x"], outputs=["y"])
+    >>> r = recompute_program(p, [1], recomputable=lambda step: True)  # a made again before k
+    >>> r.origin_step, runs_after(r, [(0, 2, "first"), (2, 4, "second"), (4, 5, "last")])
+    ((0, 1, 2, 3, 0, 4), ((0, 2, 'first'), (2, 4, 'second'), (4, 6, 'last')))
+    """
+    copied = set(rewrite.copied_steps)
+    at = [i for i in range(len(rewrite.origin_step)) if i not in copied]  # original step -> new step
+    return tuple((at[a - 1] + 1 if a else 0, at[y - 1] + 1, kind) for a, y, kind in runs)
 
 
 def identity_rewrite(program: Program, skipped: Iterable[Skipped] = ()) -> Rewrite:

@@ -22,9 +22,7 @@ as ``jax.jit``'s do.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,38 +233,6 @@ def segment_specs(flat: FlatProgram, segment: Segment, layout: Layout | None = N
     return [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type, sharding=s) for a, s in placed]
 
 
-def compile_segments(
-    flat: FlatProgram,
-    segments: Sequence[Segment],
-    functions: Sequence[Callable],
-    cache: dict | None = None,
-    layout: Layout | None = None,
-) -> tuple[list[Any], list[SegmentCost]]:
-    """One compiled program per segment; segments with the same equations (``segment_key``),
-    donation and (on a mesh, ``layout``) input and output shardings share one, also
-    with the programs in ``cache`` (from an earlier plan of the same step), which gains the new
-    ones. Only a new program's segment is traced. Distinct programs compile in parallel threads,
-    each as soon as it is lowered (XLA releases the GIL while it compiles); random bits are
-    lowered unrolled (``jc.unrolled_threefry``)."""
-    cache = {} if cache is None else cache
-    keys, compiling = [], {}
-    with warnings.catch_warnings(), ThreadPoolExecutor() as pool, jc.unrolled_threefry():
-        # A donated argument no output can reuse is still freed after the segment: not worth a warning.
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        for segment, function in zip(segments, functions, strict=True):
-            key = (segment_key(flat, segment), _donated(segment))
-            if layout is not None:  # the same equations on other layouts are another program
-                key += (tuple(layout.shardings[b] for b in (*segment.inputs, -1, *segment.outputs) if b >= 0),)
-            if key not in cache and key not in compiling:
-                traced = function.trace(*segment_specs(flat, segment, layout))
-                # Compiled while the next segments are keyed, traced and lowered (Python, holding the GIL).
-                compiling[key] = pool.submit(traced.lower().compile)
-            keys.append(key)
-        cache.update((key, future.result()) for key, future in compiling.items())
-    programs = [cache[key] for key in keys]
-    return programs, [_cost(program) for program in programs]
-
-
 def segment_key(flat: FlatProgram, segment: Segment) -> tuple:
     """What a segment's function (``segment_functions``) compiles to, read off its equations
     without tracing it: its inputs' types; per equation its primitive, parameters, results' types,
@@ -370,15 +336,6 @@ def _frozen(value: Any) -> Any:
 
 def _donated(segment: Segment) -> tuple[bool, ...]:
     return tuple(b in segment.donated for b in segment.inputs)
-
-
-def _cost(compiled: Any) -> SegmentCost:
-    stats = compiled.memory_analysis()
-    return SegmentCost(
-        temp_bytes=int(stats.temp_size_in_bytes),
-        output_bytes=int(stats.output_size_in_bytes),
-        alias_bytes=int(stats.alias_size_in_bytes),
-    )
 
 
 # -- the chain the executor runs ----------------------------------------------------------------
