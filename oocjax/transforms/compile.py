@@ -42,24 +42,19 @@ def compile_segments(
     allocates): one program to compile where donation made two. The executor still lets go of
     what the plan gave up after the launch."""
     cache = {} if cache is None else cache
-    alike: dict[tuple, set] = {}
-    for segment in segments:
-        alike.setdefault(_equations_key(flat, segment, layout), set()).add(_donated(segment))
-    wanted = []  # per segment, (its key, its own key where it runs another segment's program)
-    for segment in segments:
-        own = _equations_key(flat, segment, layout)
-        least = tuple(map(all, zip(*alike[own])))
-        shared = budget_bytes is not None and least in alike[own] and least != _donated(segment)
-        wanted.append(((own, least), (own, _donated(segment))) if shared else ((own, _donated(segment)), None))
-    _compile_new(flat, segments, functions, cache, layout, [key for key, _ in wanted])
-    keys = [key for key, _ in wanted]
-    unfit = [
-        k
-        for k, ((key, own), segment) in enumerate(zip(wanted, segments, strict=True))
-        if own is not None and segment.held_bytes + _cost(cache[key]).launch_bytes > budget_bytes
+    own = [(_equations_key(flat, segment, layout), _donated(segment)) for segment in segments]
+    donations: dict[tuple, set] = {}
+    for equations, donated in own:
+        donations.setdefault(equations, set()).add(donated)
+    least = {equations: tuple(map(all, zip(*ways))) for equations, ways in donations.items()}
+    shares = budget_bytes is not None
+    keys = [(e, least[e]) if shares and least[e] in donations[e] else (e, d) for e, d in own]
+    _compile_new(flat, segments, functions, cache, layout, keys)
+    # Where the shared program does not fit the budget there, the segment compiles its own.
+    keys = [
+        key if key == mine or segment.held_bytes + _cost(cache[key]).launch_bytes <= budget_bytes else mine
+        for key, mine, segment in zip(keys, own, segments, strict=True)
     ]
-    for k in unfit:
-        keys[k] = wanted[k][1]
     _compile_new(flat, segments, functions, cache, layout, keys)
     programs = [cache[key] for key in keys]
     return programs, [_cost(program) for program in programs]
