@@ -24,7 +24,8 @@ def free_port() -> int:
 
 
 def run_processes(count: int = 2, timeout_s: float = 300) -> list[dict]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    devices = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"  # and the tests' flags
+    env = dict(os.environ, XLA_FLAGS=devices, JAX_PLATFORMS="cpu")
     port = str(free_port())
     argv = [sys.executable, "-m", "tests.multiprocess_step"]
     procs = [

@@ -37,7 +37,8 @@ def no_layout_process_outlives_the_module():
 
 @functools.cache
 def measured(layout: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    devices = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"  # and the tests' flags
+    env = dict(os.environ, XLA_FLAGS=devices, JAX_PLATFORMS="cpu")
     for queued in ORDER[ORDER.index(layout) :]:
         processes.queue(queued, [sys.executable, "-m", "tests.sharded_steps", queued], cwd=ROOT, env=env)
     done = processes.result(layout)

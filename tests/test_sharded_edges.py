@@ -154,7 +154,8 @@ print(json.dumps(report))
 
 
 def test_jax_debug_nans_on_a_mesh_runs_each_segment_in_its_layout_and_names_the_operation():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    devices = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"  # and the tests' flags
+    env = dict(os.environ, XLA_FLAGS=devices, JAX_PLATFORMS="cpu")
     done = subprocess.run(
         [sys.executable, "-c", DEBUG_NANS_ON_A_MESH], cwd=ROOT, env=env, capture_output=True, text=True
     )
