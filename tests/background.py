@@ -11,9 +11,17 @@ rates they measure.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import subprocess
 import threading
 from collections.abc import Sequence
+
+
+def cpu_devices_env(count: int) -> dict[str, str]:
+    """This process's environment for a child jax process on ``count`` virtual CPU devices, with the
+    tests' own XLA flags (``conftest.py``) kept."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
 
 
 class Processes:

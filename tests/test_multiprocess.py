@@ -5,7 +5,6 @@ the losses are ``jax.jit``'s. ``tests/multiprocess_step.py`` is one process.
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.background import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,8 +25,7 @@ def free_port() -> int:
 
 
 def run_processes(count: int = 2, timeout_s: float = 300) -> list[dict]:
-    devices = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"  # and the tests' flags
-    env = dict(os.environ, XLA_FLAGS=devices, JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(4)
     port = str(free_port())
     argv = [sys.executable, "-m", "tests.multiprocess_step"]
     procs = [

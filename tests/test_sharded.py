@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.background import Processes
+from tests.background import Processes, cpu_devices_env
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["data", "model", "explicit", "shard_map"]
@@ -37,8 +36,7 @@ def no_layout_process_outlives_the_module():
 
 @functools.cache
 def measured(layout: str) -> dict:
-    devices = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"  # and the tests' flags
-    env = dict(os.environ, XLA_FLAGS=devices, JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(8)
     for queued in ORDER[ORDER.index(layout) :]:
         processes.queue(queued, [sys.executable, "-m", "tests.sharded_steps", queued], cwd=ROOT, env=env)
     done = processes.result(layout)

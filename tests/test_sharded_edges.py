@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from oocjax.schedule import Program, keep_all
 from oocjax.schedule.measured import with_measured_scratch
 from oocjax.schedule.segments import GatheringStep, SegmentCost, cut_segments
 from oocjax.transforms import memories
+from tests.background import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -154,8 +154,7 @@ print(json.dumps(report))
 
 
 def test_jax_debug_nans_on_a_mesh_runs_each_segment_in_its_layout_and_names_the_operation():
-    devices = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"  # and the tests' flags
-    env = dict(os.environ, XLA_FLAGS=devices, JAX_PLATFORMS="cpu")
+    env = cpu_devices_env(2)
     done = subprocess.run(
         [sys.executable, "-c", DEBUG_NANS_ON_A_MESH], cwd=ROOT, env=env, capture_output=True, text=True
     )
