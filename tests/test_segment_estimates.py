@@ -111,3 +111,22 @@ def test_a_range_whose_program_measured_within_the_budget_stays_one_segment():
     assert [(s.start, s.stop) for s in fits] == [(0, 4)]  # 1 MiB held + 6 launched
     over = cut_segments(program, plan, budget_bytes=9 * MiB, measured={signature: 8 * MiB + 1})
     assert len(over) > 1
+
+
+def test_a_range_measured_over_the_budget_but_under_its_estimate_is_cut_by_the_estimate_scaled_alike():
+    from oocjax.schedule.layer_cuts import segment_signature
+
+    names = "xabcdey"  # x (1 MiB) -> a .. e (4 MiB each) -> y (1 MiB), each step alone by the estimate at 7 MiB
+    sizes = {name: (MiB if name in "xy" else 4 * MiB) for name in names}
+    steps = [(f"f{i}", [names[i]], [names[i + 1]]) for i in range(6)]
+    program = Program.from_ops(steps, sizes, inputs=["x"], outputs=["y"])
+    plan, signature = keep_all(program), segment_signature(program, 0, 6)
+    by_estimate = [(s.start, s.stop) for s in cut_segments(program, plan, budget_bytes=7 * MiB)]
+    assert by_estimate == [(k, k + 1) for k in range(6)]
+    # Estimated to allocate 9 MiB as one, it measured 6.5: 7.5 MiB with the 1 held, over the budget.
+    # Its first two steps, estimated at 1 + 8 MiB, by the same measure take 1 + 5.8: one segment.
+    scaled = cut_segments(program, plan, budget_bytes=7 * MiB, measured={signature: 13 * MiB // 2})
+    assert [(s.start, s.stop) for s in scaled] == [(0, 2), *by_estimate[2:]]
+    # A range that measured over its estimate is cut as the estimate says, never into longer pieces.
+    over = cut_segments(program, plan, budget_bytes=7 * MiB, measured={signature: 10 * MiB})
+    assert [(s.start, s.stop) for s in over] == by_estimate
