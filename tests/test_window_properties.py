@@ -1,6 +1,7 @@
 """Properties of the window planner over random programs (a few hundred each, derandomized)."""
 
 import re
+from unittest.mock import patch
 
 import pytest
 from hypothesis import assume, example, given
@@ -8,8 +9,20 @@ from hypothesis import strategies as st
 
 from oocjax.budget import resolve_budget
 from oocjax.errors import BudgetInfeasibleError
-from oocjax.schedule import Offload, Prefetch, Program, keep_all, plan_window, required_bytes, simulate, validate
+from oocjax.schedule import (
+    Offload,
+    Prefetch,
+    Program,
+    Schedule,
+    keep_all,
+    plan_window,
+    required_bytes,
+    simulate,
+    validate,
+    window,
+)
 from oocjax.schedule.range_max import RangeMax
+from oocjax.schedule.synthetic import layered_training_step
 from tests.programs import MiB, programs
 
 
@@ -125,3 +138,45 @@ def test_the_range_max_timeline_agrees_with_a_plain_list(values, operations):
         plain[start:stop] = [x + value for x in plain[start:stop]]
         assert timeline.max(start, stop) == max(plain[start:stop])
         assert timeline.max(0, len(plain)) == max(plain)
+
+
+def _started_over(self) -> int:
+    """``window._Pass.rewind`` as the planner first was: every pass after a backtrack from step 0."""
+    self.__init__(self.planner)
+    return 0
+
+
+def planned_both_ways(program, budget: int, snapshot_steps: int) -> tuple[Schedule, Schedule, int]:
+    """The plan of passes resumed from snapshots every ``snapshot_steps``, the plan of passes
+    started over, and the backtracks either made."""
+    planners = []
+    made = window._WindowPlanner.__init__
+
+    def counted(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        planners.append(self)
+
+    snapshots = patch.object(window, "SNAPSHOT_STEPS", snapshot_steps)
+    with snapshots, patch.object(window._WindowPlanner, "__init__", counted):
+        resumed = plan_window(program, budget)
+    with patch.object(window._Pass, "rewind", _started_over):
+        over = plan_window(program, budget)
+    return resumed, over, sum(p.backtracks for p in planners)
+
+
+@given(programs(), st.floats(0.0, 1.0), st.sampled_from([1, 2, 5, 32]))
+def test_a_pass_resumed_from_a_snapshot_after_a_backtrack_plans_as_a_pass_started_over(program, position, every):
+    low, high = smallest_feasible(program), in_core_peak(program)
+    budget = max(1, int(low + position * (high - low)))
+    resumed, over, _ = planned_both_ways(program, budget, every)
+    assert resumed == over
+
+
+@pytest.mark.parametrize("every", [1, 3, 32])
+def test_a_layered_step_that_backtracks_twenty_times_plans_alike_resumed_or_started_over(every):
+    program = layered_training_step(12)
+    budget = max(required_bytes(program))
+    resumed, over, backtracks = planned_both_ways(program, budget, every)
+    assert backtracks >= 20
+    assert resumed == over
+    assert validate(program, resumed) == ()
