@@ -442,6 +442,7 @@ def _state_offload_lines(records: list[tuple[str, dict]]) -> list[str]:
                 f"back {row['back_bytes'] / 2**30:.1f} GiB ({row['back_vs_floor']:.2f}x), "
                 f"{(row['to_device_bytes'] + row['back_bytes']) / 2**30:.1f} GiB both ways, "
                 f"{row['segments_per_layer']:.1f} segments per layer, host peak {row['host_peak_vs_kept']:.2f}x"
+                + (f", traced and planned in {row['plan_seconds']:.0f} s" if "plan_seconds" in row else "")
             )
         rounds = f"; moved values recomputed in {r['moved_rounds']} rounds" if r.get("moved_rounds") else ""
         note = f" {r['run_note']}" if r.get("run_note") else ""
