@@ -336,12 +336,8 @@ class _Pass:
         buffer in the window prefetches it (from host), cancels its offload (still on the device),
         or marks it to be created by a step ahead."""
         planner = self.planner
-        access_buffer, access_step, stopper, nbytes = (
-            planner.access_buffer,
-            planner.access_step,
-            planner.stopper,
-            planner.nbytes,
-        )
+        access_buffer, access_step, stopper = planner.access_buffer, planner.access_step, planner.stopper
+        nbytes = planner.nbytes
         state, count, head, in_window = self.state, self.count, self.head, self.in_window
         total, n, window_limit, budget = len(access_buffer), len(planner.program.steps), planner.window, planner.budget
         while head < total and stopper[head] <= k:
