@@ -180,3 +180,20 @@ def test_a_layered_step_that_backtracks_twenty_times_plans_alike_resumed_or_star
     assert backtracks >= 20
     assert resumed == over
     assert validate(program, resumed) == ()
+
+
+def test_a_pass_takes_no_snapshot_before_the_first_backtrack_and_a_bounded_number_after():
+    program, passes = layered_training_step(12), []  # 110 steps
+    run = window._Pass.run
+
+    def spied(self, start=0):
+        schedule = run(self, start)
+        passes.append((self.planner.backtracks, len(self.snapshots)))
+        return schedule
+
+    bounds = patch.object(window, "SNAPSHOT_STEPS", 1), patch.object(window, "MOST_SNAPSHOTS", 4)
+    with bounds[0], bounds[1], patch.object(window._Pass, "run", spied):
+        plan_window(program, max(required_bytes(program)))
+    assert passes[0] == (0, 0)  # a program that never backtracks pays for no copies
+    assert len(passes) > 2 and any(taken for _, taken in passes[1:])
+    assert all(taken <= 4 + 1 for _, taken in passes)  # steps 0, 27, 54, 81 and 108 at most

@@ -12,10 +12,9 @@ output gets one more access after the last step (being returned). Two pointers w
 
 For each step: advance ``head``; reserve the step's outputs and scratch, waiting for offloads if
 memory is short; if nothing is left to wait for, *backtrack*: forbid the furthest prefetches before
-the next step and plan again from the start (resumed from a snapshot taken before the first of those
-prefetches, which gives the same plan sooner). After the step, each buffer whose next access is not
-in the window is freed (no further use), dropped (it has a valid host copy), kept (too small to
-move, or a constant), or offloaded.
+the next step and plan again from the start (in effect: from a snapshot before those prefetches).
+After the step, each buffer whose next access is not in the window is freed (no further use),
+dropped (it has a valid host copy), kept (too small to move, or a constant), or offloaded.
 
 Because the window is in bytes, the prefetch distance adapts along the program: many steps ahead
 where tensors are small, few where they are large. There is no timing model.
@@ -50,8 +49,9 @@ from oocjax.schedule.simulate import simulate
 from oocjax.schedule.units import MiB, format_bytes
 
 DEFAULT_WINDOW_FACTOR = 1.5  # nnabla's default; its authors found it on ResNet-50
-# A pass keeps a copy of its state every this many steps, to start again from after a backtrack.
-SNAPSHOT_STEPS = 32
+# Once a program has backtracked, a pass keeps a copy of its state every this many steps (or every
+# 1/MOST_SNAPSHOTS of the program, whichever is more), to start again from after a backtrack.
+SNAPSHOT_STEPS, MOST_SNAPSHOTS = 32, 32
 
 # Buffer states during planning.
 _CLEARED = 0  # not on the device and not needed there now
@@ -186,17 +186,13 @@ class _WindowPlanner:
         self.backtracks = 0
 
     def plan(self) -> Schedule:
-        """Passes until one gets through. After a backtrack the next pass starts from the pass's
-        last snapshot before the first access the backtrack forbade was admitted: up to there it
-        would repeat the pass before it exactly (the 1.34B GPT at 4 GiB backtracked 1,532 times,
-        each about two thirds into its program)."""
+        """Passes until one gets through, each after a backtrack resumed (``_Pass.rewind``): the
+        1.34B GPT at 4 GiB backtracked 1,532 times, each about two thirds into its program."""
         passing, start = _Pass(self), 0
-        while True:
-            schedule = passing.run(start)
-            if schedule is not None:
-                return schedule
+        while (schedule := passing.run(start)) is None:
             self.backtracks += 1
             start = passing.rewind()
+        return schedule
 
     def backtrack(self, k: int, head: int, count: list[int], state: list[int], available: int, needed: int) -> int:
         """Forbids the furthest prefetches before step k+1, until enough memory would be free; the
@@ -297,9 +293,10 @@ class _Pass:
 
     def run(self, start: int = 0) -> Schedule | None:
         """The schedule, or None after a backtrack; from step ``start``, where the pass stands."""
-        steps = self.planner.program.steps
+        steps, snapshots = self.planner.program.steps, self.planner.backtracks > 0
+        every = max(SNAPSHOT_STEPS, len(steps) // MOST_SNAPSHOTS)
         for k in range(start, len(steps)):
-            if k % SNAPSHOT_STEPS == 0 and (not self.snapshots or self.snapshots[-1][0] < k):
+            if snapshots and k % every == 0:
                 self.snapshots.append(self._snapshot(k))
             self._admit_ahead(k)
             self.head_after.append(self.head)
@@ -316,13 +313,16 @@ class _Pass:
         return k, self.state[:], self.host_copy[:], self.count[:], list(self.pending), dict(self.open_offload), counts
 
     def rewind(self) -> int:
-        """Back to the last snapshot before the step that admitted the access the last backtrack
-        forbade first (steps before it pass as they did); the step to run from."""
+        """Back to (and off) the last snapshot before the step that admitted the access the last
+        backtrack forbade first, as steps before it would pass again; the step to run from."""
         admitted = bisect_right(self.head_after, self.forbidden)
-        while self.snapshots[-1][0] > admitted:
+        while self.snapshots and self.snapshots[-1][0] > admitted:
             self.snapshots.pop()
-        k, state, host_copy, count, pending, open_offload, counts = self.snapshots[-1]
-        self.state, self.host_copy, self.count = state[:], host_copy[:], count[:]
+        if not self.snapshots:  # the first backtrack, or one before the first snapshot
+            self.__init__(self.planner)
+            return 0
+        k, state, host_copy, count, pending, open_offload, counts = self.snapshots.pop()
+        self.state, self.host_copy, self.count = state, host_copy, count
         self.pending, self.open_offload = deque(pending), dict(open_offload)
         self.device, self.outgoing, self.in_window, self.head, moves, waited = counts
         del self.moves[moves:], self.head_after[k:]
