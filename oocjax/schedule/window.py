@@ -288,7 +288,7 @@ class _Pass:
         self.moves: list[Prefetch | _PlannedOffload] = []  # in the order they start
         self.waited: list[_PlannedOffload] = []  # in the order they were waited for
         self.head_after: list[int] = []  # per step passed, the head after its admissions
-        self.snapshots: list[tuple] = []  # the pass at the start of every SNAPSHOT_STEPS-th step
+        self.snapshots: list[tuple] = []  # the pass at the start of some steps (``run``), oldest first
         self.forbidden = 0  # the first access the last backtrack forbade
 
     def run(self, start: int = 0) -> Schedule | None:
