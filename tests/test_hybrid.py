@@ -155,3 +155,23 @@ def test_on_a_layered_step_recomputation_fits_where_swap_only_moves():
     assert not chosen.swap_only.moves_nothing
     off = plan_hybrid(program, 160 * MiB, recomputable=lambda s: True, profile="h100-pcie", recompute="off")
     assert not off.rewrite.recomputed and off.schedule == chosen.swap_only
+
+
+def test_a_plan_moving_about_as_many_bytes_is_taken_where_it_is_faster_and_one_moving_many_more_only_by_the_margin():
+    from types import SimpleNamespace
+
+    from oocjax.schedule.hybrid import _steadiest
+
+    def candidate(moved_bytes, time_s):
+        return SimpleNamespace(
+            moved_bytes=moved_bytes, time_s=time_s, schedule=SimpleNamespace(moves=(), host_inputs=())
+        )
+
+    fewer, close_and_faster = candidate(2_492_416, 0.0279), candidate(2_508_800, 0.0269)
+    assert _steadiest([fewer, close_and_faster]) is close_and_faster
+    many_more = candidate(4 * 2_492_416, 0.0269)  # 4% faster: not enough to move four times as much
+    assert _steadiest([fewer, many_more]) is fewer
+    much_faster = candidate(4 * 2_492_416, 0.0279 / (1 + MOVE_MARGIN) - 1e-6)
+    assert _steadiest([fewer, much_faster]) is much_faster
+    nothing = candidate(0, 0.03)  # a plan that moves nothing is not given up for one a little faster
+    assert _steadiest([nothing, close_and_faster]) is nothing

@@ -84,8 +84,10 @@ def choose_recompute(
       forced: buffers to recompute whatever the costs say (split at their longest gap, or where a
         mapping says: buffer -> a step to split across), before
         the selector adds its own.
-      layers: the steps ``(start, stop)`` of each layer's forward pass: the choices are then made
-        alike in layers alike (``_alike_in_alike_layers``), so that they share compiled programs.
+      layers: the steps ``(start, stop)`` of each run of a layer (forward, backward, update): the
+        choices are then made alike in layers alike (``_alike_in_alike_layers``), so that they
+        share compiled programs (a bias gradient recomputed for the update of two of four
+        backward layers left those two unlike the others: two programs more to compile).
 
     Returns:
       The rewrite of ``program`` (the identity if it already fits, or nothing helps); ``skipped``
