@@ -36,9 +36,9 @@ from oocjax.refusals import (
 from oocjax.schedule import Program, Schedule, format_bytes, plan_window, required_bytes, validate
 from oocjax.schedule.chain import check_segments
 from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
-from oocjax.schedule.measured import executed_peak, unfitted_ranges, with_measured_scratch
+from oocjax.schedule.measured import executed_peak, unfitted_ranges, with_measured_scratch, with_probed_scratch
 from oocjax.schedule.rewrite import runs_after
-from oocjax.schedule.segments import cut_segments
+from oocjax.schedule.segments import Segment, cut_segments
 from oocjax.schedule.simulate import frees_host_state_early
 from oocjax.settled import SettledPlan
 from oocjax.transforms.calibrate import measure_profile
@@ -209,11 +209,7 @@ class StepPlanner:
             cuts["cut_before"] = tuple(halved)
             cuts["copies"] = _copies(flat) if _MERGES_COPIES.get(_platform()) else ()
             cuts |= dict(budget_bytes=budget.planned_bytes, measured=launched)
-            segments = cut_segments(program, schedule, **cuts)
-            probes = unfitted_ranges(program, schedule, segments, **cuts)
-            if probes:  # ranges the estimate cut: compiled whole (kept for later), measured, cut again
-                launched |= zip(probes, self._compiled_costs(flat, tuple(probes.values()), program, layout))
-                segments = cut_segments(program, schedule, **cuts)
+            program, schedule, segments = self._cut(program, schedule, cuts, flat, layout, budget)
             refuse_invalid("chain of segments", check_segments(program, schedule, segments))
             refuse_tokens_between(segments, flat.avals)
             functions = tuple(segment_functions(flat, segments, _labels(program), layout))
@@ -242,6 +238,34 @@ class StepPlanner:
         measured = dict(segments=segments, costs=tuple(costs), attempts=tuple(m for _, m in history), peak=peak)
         settled = SettledPlan(choice=choice, program=program, schedule=schedule, **measured)
         return self._finish(budget, settled, programs, functions, flat), settled
+
+    def _cut(
+        self, program: Program, schedule: Schedule, cuts: dict, flat: FlatProgram, layout: Any, budget: Budget
+    ) -> tuple[Program, Schedule, tuple[Segment, ...]]:
+        """The plan cut into segments. Ranges the estimate cuts but that might fit whole
+        (``unfitted_ranges``) are compiled whole first and measured (``cuts["measured"]`` keeps
+        what they allocate). Where one measured over the budget only with what the plan holds when
+        it starts, the step is planned again once, its peak shown to the planner on the step that
+        held the most (``with_probed_scratch``): less is then held there and it runs whole, as the
+        layers alike do, rather than in pieces that each compile (a 4-layer decoder's top backward
+        layer, 7 KB over, was two more programs)."""
+        for replan in (True, False):
+            segments = cut_segments(program, schedule, **cuts)
+            probes = unfitted_ranges(program, schedule, segments, **cuts)
+            if not probes:
+                break
+            launches = self._compiled_costs(flat, tuple(probes.values()), program, layout)
+            cuts["measured"] |= zip(probes, launches)
+            learnt = with_probed_scratch(program, schedule, tuple(probes.values()), launches, budget.planned_bytes)
+            if replan and learnt is not None:
+                try:
+                    program, schedule = learnt, _plan(learnt, budget, self.options, [], "")
+                    continue
+                except OocError:
+                    pass
+            segments = cut_segments(program, schedule, **cuts)
+            break
+        return program, schedule, segments
 
     def _compiled_costs(self, flat: FlatProgram, segments: tuple, program: Program, layout: Any) -> list[int]:
         """What launching each of ``segments`` allocates, compiled (into ``self.compiled``)."""
@@ -375,6 +399,7 @@ def _choose(
             planner=_planner,
             blocks=blocks,
             backward_start=backward[0] if backward else 0,
+            layers=tuple((a, y) for a, y, _ in runs),
             **options.window,
         )
     except BudgetInfeasibleError as error:

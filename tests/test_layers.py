@@ -207,3 +207,32 @@ def test_the_bottom_layer_donating_its_input_runs_the_program_of_the_layers_abov
     assert segments[bottom].donated and not any(segments[k].donated for k in above)
     assert len({id(programs[k]) for k in layers}) == 1
     assert plan.executed_peak_bytes <= budget
+
+
+@pytest.mark.parametrize("way", ["linen_auto", "nnx"])
+def test_the_backward_layers_above_the_bottom_run_one_program_the_top_one_included(way, monkeypatch):
+    """Backward layers alike run one compiled program each, and so do the updates: the selector's
+    choices are made alike in them (a bias gradient recomputed for the updates of two of four
+    backward layers left those two with programs of their own), and the top one, whose program
+    measured 7 KB over the budget with what the plan held when it starts, is planned around
+    rather than cut in two (with the published CPU rates, as measured rates move the plan)."""
+    from oocjax import ooc_jit, pipeline
+    from oocjax.schedule.profiles import resolve_profile
+
+    monkeypatch.setattr(pipeline, "measure_profile", lambda *args, **kwargs: resolve_profile("cpu"))
+    found, runs_after = [], pipeline.runs_after  # the layers as the plan's program has them
+    monkeypatch.setattr(pipeline, "runs_after", lambda *args: found.append(runs_after(*args)) or found[-1])
+    step, state, batch = decoder_case(way, DEPTH)
+    budget = int(ooc_jit(step, budget=2**62).plan(state, batch).baseline_peak_bytes * 0.3)
+    wrapped = ooc_jit(step, budget=budget, donate_argnums=0, min_offload_bytes=4096)
+    plan = wrapped.plan(state, batch)
+
+    (planner,) = wrapped._planners.values()
+    ranges = [(s.start, s.stop) for s in plan.segments]
+    runs = found[-1]
+    backward = [(a, y) for a, y, kind in runs if kind.startswith("transpose")][:-1]  # the bottom's differs
+    updates = [(a, y) for a, y, kind in runs if kind.startswith("update")]
+    for alike in (backward, updates):
+        assert all(run in ranges for run in alike), (alike, ranges)
+        assert len({id(planner.built.programs[ranges.index(run)]) for run in alike}) == 1
+    assert len(plan.attempts) == 1 and plan.executed_peak_bytes <= budget

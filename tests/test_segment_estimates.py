@@ -130,3 +130,30 @@ def test_a_range_measured_over_the_budget_but_under_its_estimate_is_cut_by_the_e
     # A range that measured over its estimate is cut as the estimate says, never into longer pieces.
     over = cut_segments(program, plan, budget_bytes=7 * MiB, measured={signature: 10 * MiB})
     assert [(s.start, s.stop) for s in over] == by_estimate
+
+
+def test_a_probe_over_the_budget_only_by_what_is_held_at_its_start_is_planned_around():
+    from oocjax.schedule import plan_window
+    from oocjax.schedule.measured import with_probed_scratch
+
+    # w (4 MiB) is read at steps 0 and 5 only; steps 1-4 each hold 6 MiB by the plan (w, their
+    # operand and result), within 7 MiB. Run as one program they measured 3 MiB besides what they
+    # hold at launch (w and a: 5 MiB): 8 MiB, over. Shown that peak, the plan moves w out across them.
+    names = "abcde"
+    sizes = {"w": 4 * MiB, "x": MiB, **dict.fromkeys(names, MiB), "y": MiB}
+    ops = [
+        ("f0", ["w", "x"], ["a"]),
+        *((f"f{i}", [names[i - 1]], [names[i]]) for i in range(1, 5)),
+        ("g", ["w", "e"], ["y"]),
+    ]
+    program = Program.from_ops(ops, sizes, inputs=["w", "x"], outputs=["y"], donated=["w", "x"])
+    budget = 7 * MiB
+    plan = plan_window(program, budget)
+    assert plan.moves_nothing
+    probe = next(s for s in cut_segments(program, plan, budget_bytes=64 * MiB, cut_before=(1, 5)) if s.start == 1)
+    assert probe.stop == 5 and probe.held_bytes == 5 * MiB
+    assert with_probed_scratch(program, plan, [probe], [2 * MiB], budget) is None  # 7 MiB: it fits
+    learnt = with_probed_scratch(program, plan, [probe], [3 * MiB], budget)
+    replanned = plan_window(learnt, budget)
+    (again,) = (s for s in cut_segments(learnt, replanned, budget_bytes=64 * MiB, cut_before=(1, 5)) if s.start == 1)
+    assert again.held_bytes + 3 * MiB <= budget

@@ -13,6 +13,7 @@ from oocjax.schedule.layer_cuts import segment_signature
 from oocjax.schedule.moves import Schedule
 from oocjax.schedule.program import Program
 from oocjax.schedule.segments import Segment, SegmentCost, _bounds, _mixes, _Segmenter
+from oocjax.schedule.simulate import simulate
 
 # A range the estimate cuts is compiled whole, to be measured, only where it would fit with what it
 # allocates estimated this much lower: XLA reuses memory inside a program that the estimate, adding
@@ -85,6 +86,32 @@ def with_measured_scratch(
             continue
         for k in range(segment.start, segment.stop):
             transient[k] += excess
+    steps = tuple(
+        step if extra == step.transient_bytes else replace(step, transient_bytes=extra)
+        for step, extra in zip(program.steps, transient)
+    )
+    return Program(steps=steps, buffers=program.buffers)
+
+
+def with_probed_scratch(
+    program: Program, schedule: Schedule, probes: Sequence[Segment], launches: Sequence[int], budget_bytes: int
+) -> Program | None:
+    """``program`` with scratch that makes each probed range (``unfitted_ranges``) that measured over
+    the budget show its measured peak, what it holds at launch and what launching it allocates,
+    on the step of the range where the plan has the most on the device: planned again, the
+    planner frees the bytes over the budget there, before the range starts where what it frees is
+    not read in the range. None where every probe fits.
+
+    Spread over all the range's steps as ``with_measured_scratch`` does, a few KB over would not
+    show: the plan's steps each hold far less than a program that runs the whole range."""
+    device = simulate(program, schedule).device_bytes
+    transient = [step.transient_bytes for step in program.steps]
+    for probe, launch in zip(probes, launches, strict=True):
+        if probe.held_bytes + launch > budget_bytes:
+            k = max(range(probe.start, probe.stop), key=device.__getitem__)
+            transient[k] += max(0, probe.held_bytes + launch - device[k])
+    if transient == [step.transient_bytes for step in program.steps]:
+        return None
     steps = tuple(
         step if extra == step.transient_bytes else replace(step, transient_bytes=extra)
         for step, extra in zip(program.steps, transient)
