@@ -160,18 +160,20 @@ def test_on_a_layered_step_recomputation_fits_where_swap_only_moves():
 def test_a_plan_moving_about_as_many_bytes_is_taken_where_it_is_faster_and_one_moving_many_more_only_by_the_margin():
     from types import SimpleNamespace
 
-    from oocjax.schedule.hybrid import _steadiest
+    from oocjax.schedule.hybrid import NEGLIGIBLE_MOVES, _steadiest
 
     def candidate(moved_bytes, time_s):
-        return SimpleNamespace(
-            moved_bytes=moved_bytes, time_s=time_s, schedule=SimpleNamespace(moves=(), host_inputs=())
-        )
+        schedule = SimpleNamespace(moves=(), host_inputs=())
+        return SimpleNamespace(moved_bytes=moved_bytes, time_s=time_s, schedule=schedule)
 
-    fewer, close_and_faster = candidate(2_492_416, 0.0279), candidate(2_508_800, 0.0269)
-    assert _steadiest([fewer, close_and_faster]) is close_and_faster
-    many_more = candidate(4 * 2_492_416, 0.0269)  # 4% faster: not enough to move four times as much
-    assert _steadiest([fewer, many_more]) is fewer
-    much_faster = candidate(4 * 2_492_416, 0.0279 / (1 + MOVE_MARGIN) - 1e-6)
-    assert _steadiest([fewer, much_faster]) is much_faster
-    nothing = candidate(0, 0.03)  # a plan that moves nothing is not given up for one a little faster
-    assert _steadiest([nothing, close_and_faster]) is nothing
+    budget = 64 * MiB
+    fewer, close_and_faster = candidate(8 * MiB, 0.0279), candidate(9 * MiB, 0.0269)  # 12.5% more
+    assert _steadiest([fewer, close_and_faster], budget) is close_and_faster
+    many_more = candidate(4 * 8 * MiB, 0.0269)  # 4% faster: not enough to move four times as much
+    assert _steadiest([fewer, many_more], budget) is fewer
+    much_faster = candidate(4 * 8 * MiB, 0.0279 / (1 + MOVE_MARGIN) - 1e-6)
+    assert _steadiest([fewer, much_faster], budget) is much_faster
+    # A plan that moves nothing is given up for one moving a negligible share of the budget only.
+    nothing, a_little = candidate(0, 0.03), candidate(int(NEGLIGIBLE_MOVES * budget) - 1, 0.029)
+    assert _steadiest([nothing, a_little], budget) is a_little
+    assert _steadiest([nothing, candidate(int(NEGLIGIBLE_MOVES * budget) + 1, 0.029)], budget) is nothing

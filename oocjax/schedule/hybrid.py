@@ -122,9 +122,10 @@ def plan_hybrid(
             candidates += _planned(rewrites, planner, budget_bytes, window, profile)
     if not candidates:
         raise infeasible
-    chosen = _chosen(candidates, recompute, swap)
+    chosen = _chosen(candidates, recompute, swap, budget_bytes)
     if recompute == "auto":  # then what it still moves, recomputed where that is cheaper
-        chosen = _steadiest([chosen, *_recompute_moved(chosen, planner, budget_bytes, window, profile, recomputable)])
+        rounds = _recompute_moved(chosen, planner, budget_bytes, window, profile, recomputable)
+        chosen = _steadiest([chosen, *rounds], budget_bytes)
     plan = dict(rewrite=chosen.rewrite, schedule=chosen.schedule, step_time_s=chosen.time_s, by_block=chosen.by_block)
     return HybridPlan(**plan, swap_only=swap, swap_only_time_s=swap_time)
 
@@ -134,6 +135,11 @@ def plan_hybrid(
 # 2.7-fold under its simulation), and a plan that moves less is the steadier: its layers stay alike,
 # and alike layers share compiled programs.
 MOVE_MARGIN = 0.15
+# Moving fewer bytes makes a plan no steadier where the difference is this share of the budget or
+# less: a 24-layer decoder's selector plan, 362 KB moved (0.8%) and 9% faster by the model, lost to
+# recomputing every block, and a 4-layer one's, 16 KB more, to the same; their backward programs
+# then compile the forward's kernels too (a first call 1.8x jax.jit's where it was 1.2x).
+NEGLIGIBLE_MOVES = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,27 +166,29 @@ def _planned(rewrites: list, planner: Callable, budget_bytes: int, window: dict,
 
 
 def _chosen(
-    candidates: list[_Candidate], recompute: RecomputeMode | RecomputePolicy, swap: Schedule | None
+    candidates: list[_Candidate], recompute: RecomputeMode | RecomputePolicy, swap: Schedule | None, budget_bytes: int
 ) -> _Candidate:
     """The candidate ``plan_hybrid`` takes: under ``"always"`` or a policy, the first recomputing plan
     (right after swap only, or first where swap only is infeasible); else ``_steadiest``'s pick."""
     forcing = recompute == "always" or callable(recompute)
-    chosen = candidates[1] if forcing and len(candidates) > 1 and swap is not None else _steadiest(candidates)
+    chosen = (
+        candidates[1] if forcing and len(candidates) > 1 and swap is not None else _steadiest(candidates, budget_bytes)
+    )
     if forcing and swap is None:
         chosen = candidates[0]
     return chosen
 
 
-def _steadiest(candidates: list[_Candidate]) -> _Candidate:
+def _steadiest(candidates: list[_Candidate], budget_bytes: int) -> _Candidate:
     """The candidate moving the fewest bytes (the fastest of those), unless one moving more is
-    faster by more than ``MOVE_MARGIN``, or faster at all and moving within ``MOVE_MARGIN`` as
-    many bytes: so close, moving fewer is no steadier (a 4-layer decoder's by-block plan, 16 KB of
-    2.5 MB fewer and 4% slower by the model, was taken and compiled the forward's kernels into
-    the backward's programs). Ties in time go to fewer copies."""
+    faster by more than ``MOVE_MARGIN``, or faster at all while moving about as much: at most
+    ``MOVE_MARGIN`` more, or more by under ``NEGLIGIBLE_MOVES`` of the budget. Ties in time go to
+    fewer copies."""
     ordered = sorted(candidates, key=lambda c: (c.moved_bytes, c.time_s, _moved(c.schedule)))
     chosen = ordered[0]
     for candidate in ordered[1:]:
-        close = candidate.moved_bytes <= chosen.moved_bytes * (1 + MOVE_MARGIN)
+        extra = candidate.moved_bytes - chosen.moved_bytes
+        close = extra <= MOVE_MARGIN * chosen.moved_bytes or extra < NEGLIGIBLE_MOVES * budget_bytes
         if candidate.time_s * (1 + MOVE_MARGIN) < chosen.time_s or (close and candidate.time_s < chosen.time_s):
             chosen = candidate
     return chosen
