@@ -162,13 +162,15 @@ def test_a_plan_moving_about_as_many_bytes_is_taken_where_it_is_faster_and_one_m
 
     from oocjax.schedule.hybrid import NEGLIGIBLE_MOVES, _steadiest
 
-    def candidate(moved_bytes, time_s):
+    def candidate(moved_bytes, time_s, alike=True):
         schedule = SimpleNamespace(moves=(), host_inputs=())
-        return SimpleNamespace(moved_bytes=moved_bytes, time_s=time_s, schedule=schedule)
+        return SimpleNamespace(moved_bytes=moved_bytes, time_s=time_s, schedule=schedule, alike=alike)
 
     budget = 64 * MiB
     fewer, close_and_faster = candidate(8 * MiB, 0.0279), candidate(9 * MiB, 0.0269)  # 12.5% more
     assert _steadiest([fewer, close_and_faster], budget) is close_and_faster
+    unlike = candidate(9 * MiB, 0.0269, alike=False)  # its layers would compile programs of their own
+    assert _steadiest([fewer, unlike], budget) is fewer
     many_more = candidate(4 * 8 * MiB, 0.0269)  # 4% faster: not enough to move four times as much
     assert _steadiest([fewer, many_more], budget) is fewer
     much_faster = candidate(4 * 8 * MiB, 0.0279 / (1 + MOVE_MARGIN) - 1e-6)

@@ -24,6 +24,7 @@ is for: it wins as soon as the FLOPs it adds cost less than the exposed transfer
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -34,7 +35,7 @@ from oocjax.schedule.cost import simulate_time
 from oocjax.schedule.moves import Schedule
 from oocjax.schedule.profiles import DeviceProfile
 from oocjax.schedule.program import Program
-from oocjax.schedule.recompute import cheaper_than_moving, choose_recompute
+from oocjax.schedule.recompute import cheaper_than_moving, choices_alike, choose_recompute
 from oocjax.schedule.rewrite import Rewrite, compose, identity_rewrite, recompute_program
 from oocjax.schedule.units import MiB
 from oocjax.schedule.window import plan_window
@@ -113,13 +114,14 @@ def plan_hybrid(
     if recompute != "off" and not (swap is not None and swap.moves_nothing):
         rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes, forced=forced)
         rules["layers"] = layers or blocks
+        alike = functools.partial(choices_alike, program, rules["layers"])
         rewrites = [(choose_recompute(program, budget_bytes, **rules), False)]
-        candidates += _planned(rewrites, planner, budget_bytes, window, profile)
+        candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike)
         # Per-block remat (which recomputes more), then the selector's picks, where those alone move.
         if blocks and recompute == "auto" and not any(c.schedule.moves_nothing for c in candidates):
             by_block = dict.fromkeys(block_targets(program, blocks, backward_start), backward_start)
             rewrites = [(choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True)]
-            candidates += _planned(rewrites, planner, budget_bytes, window, profile)
+            candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike)
     if not candidates:
         raise infeasible
     chosen = _chosen(candidates, recompute, swap, budget_bytes)
@@ -148,20 +150,23 @@ class _Candidate:
     schedule: Schedule
     time_s: float
     by_block: bool
+    alike: bool = True  # its choices are alike in alike layers (``recompute.choices_alike``)
 
     @property
     def moved_bytes(self) -> int:
         return self.schedule.moved_bytes(self.rewrite.program)
 
 
-def _planned(rewrites: list, planner: Callable, budget_bytes: int, window: dict, profile) -> list[_Candidate]:
+def _planned(
+    rewrites: list, planner: Callable, budget_bytes: int, window: dict, profile, alike: Callable
+) -> list[_Candidate]:
     """The rewrites (each with whether it is by block) that the planner fits, planned and timed."""
     candidates = []
     for rewrite, by_block in rewrites:
         schedule = _plan_or_none(planner, rewrite, budget_bytes, window) if rewrite.recomputed else None
         if schedule is not None:
             time = simulate_time(rewrite.program, schedule, profile).step_time_s
-            candidates.append(_Candidate(rewrite, schedule, time, by_block))
+            candidates.append(_Candidate(rewrite, schedule, time, by_block, alike(rewrite.recomputed)))
     return candidates
 
 
@@ -181,14 +186,18 @@ def _chosen(
 
 def _steadiest(candidates: list[_Candidate], budget_bytes: int) -> _Candidate:
     """The candidate moving the fewest bytes (the fastest of those), unless one moving more is
-    faster by more than ``MOVE_MARGIN``, or faster at all while moving about as much: at most
-    ``MOVE_MARGIN`` more, or more by under ``NEGLIGIBLE_MOVES`` of the budget. Ties in time go to
+    faster by more than ``MOVE_MARGIN``, or faster at all while moving about as much (at most
+    ``MOVE_MARGIN`` more, or more by under ``NEGLIGIBLE_MOVES`` of the budget) with its choices
+    alike in alike layers: a selector plan whose layers differ compiles more programs than the
+    by-block plan it would replace (a 4-layer plain decoder's: 24 against 8). Ties in time go to
     fewer copies."""
     ordered = sorted(candidates, key=lambda c: (c.moved_bytes, c.time_s, _moved(c.schedule)))
     chosen = ordered[0]
     for candidate in ordered[1:]:
         extra = candidate.moved_bytes - chosen.moved_bytes
-        close = extra <= MOVE_MARGIN * chosen.moved_bytes or extra < NEGLIGIBLE_MOVES * budget_bytes
+        close = candidate.alike and (
+            extra <= MOVE_MARGIN * chosen.moved_bytes or extra < NEGLIGIBLE_MOVES * budget_bytes
+        )
         if candidate.time_s * (1 + MOVE_MARGIN) < chosen.time_s or (close and candidate.time_s < chosen.time_s):
             chosen = candidate
     return chosen

@@ -314,6 +314,12 @@ def _fits_as_well(trial: Rewrite, device: Sequence[int], budget: int, floor_fits
     return held and not (floor_fits and max(required_bytes(trial.program, min_offload_bytes)) > budget)
 
 
+def choices_alike(program: Program, layers: Sequence[tuple[int, int]], recomputed: Iterable[int]) -> bool:
+    """Whether the values ``recomputed`` (buffers of ``program``) are recomputed alike in alike
+    layers (``layers``: their steps): in all of them or in none, so that they share programs."""
+    return not _alike_in_alike_layers(program, dict.fromkeys(recomputed), layers, set())
+
+
 def _alike_in_alike_layers(
     program: Program, targets: Mapping[int, int | None], layers: Sequence[tuple[int, int]], keep: set[int]
 ) -> list[dict[int, int | None]]:
