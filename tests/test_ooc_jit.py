@@ -337,7 +337,9 @@ def test_a_chain_that_keeps_measuring_over_the_budget_gives_up_after_the_replan_
     with pytest.raises(OocError) as caught:
         ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB, recompute="off").plan(HOST_PARAMS, HOST_X)
     tries = oocjax.pipeline.MAX_REPLANS + 1
-    assert planned == [budget] * tries
+    # Where a range compiled whole to be measured came out over the budget only with what the plan
+    # holds at its start, the step is planned around it once more before its chain is compiled.
+    assert set(planned) == {budget} and len(planned) in (tries, tries + 1)
     message = str(caught.value)
     assert type(caught.value) is OocError
     assert f"do not fit the budget of {format_bytes(budget)}: " in message
