@@ -86,11 +86,7 @@ def with_measured_scratch(
             continue
         for k in range(segment.start, segment.stop):
             transient[k] += excess
-    steps = tuple(
-        step if extra == step.transient_bytes else replace(step, transient_bytes=extra)
-        for step, extra in zip(program.steps, transient)
-    )
-    return Program(steps=steps, buffers=program.buffers)
+    return _with_transient(program, transient)
 
 
 def with_probed_scratch(
@@ -104,16 +100,26 @@ def with_probed_scratch(
 
     Spread over all the range's steps as ``with_measured_scratch`` does, a few KB over would not
     show: the plan's steps each hold far less than a program that runs the whole range."""
+    over = [
+        (probe, launch)
+        for probe, launch in zip(probes, launches, strict=True)
+        if probe.held_bytes + launch > budget_bytes
+    ]
+    if not over:
+        return None
     device = simulate(program, schedule).device_bytes
     transient = [step.transient_bytes for step in program.steps]
-    for probe, launch in zip(probes, launches, strict=True):
-        if probe.held_bytes + launch > budget_bytes:
-            k = max(range(probe.start, probe.stop), key=device.__getitem__)
-            transient[k] += max(0, probe.held_bytes + launch - device[k])
-    if transient == [step.transient_bytes for step in program.steps]:
-        return None
+    for probe, launch in over:
+        k = max(range(probe.start, probe.stop), key=device.__getitem__)
+        transient[k] += max(0, probe.held_bytes + launch - device[k])
+    unchanged = all(extra == step.transient_bytes for step, extra in zip(program.steps, transient))
+    return None if unchanged else _with_transient(program, transient)
+
+
+def _with_transient(program: Program, transient: Sequence[int]) -> Program:
+    """``program`` with each step's scratch replaced by ``transient``."""
     steps = tuple(
         step if extra == step.transient_bytes else replace(step, transient_bytes=extra)
-        for step, extra in zip(program.steps, transient)
+        for step, extra in zip(program.steps, transient, strict=True)
     )
     return Program(steps=steps, buffers=program.buffers)
