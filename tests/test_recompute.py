@@ -441,3 +441,25 @@ def test_a_value_whose_producer_reads_a_dead_value_is_recomputed_with_its_chain(
     # When f may not run twice, u cannot join the chain: v alone saves nothing.
     alone = choose_recompute(program, 20 * MiB, recomputable=lambda s: s != 0)
     assert alone.recomputed == () and alone.peak_bytes == 26 * MiB
+
+
+def test_a_class_that_alone_covers_the_excess_is_taken_rather_than_a_crawl_of_small_ones():
+    # At step m, x, s1, s2, b, d and e hold 36 MiB, 11 over the budget. s1 and s2 are cheap to
+    # recompute but save 2 MiB together, under a quarter of the excess; b is costly and saves 12
+    # alone. Taken in rate order the small ones would be picked first, and b after them anyway.
+    sizes = {"x": MiB, "s1": MiB, "s2": MiB, "b": 12 * MiB, "d": 20 * MiB, "e": MiB, "g1": MiB, "g2": MiB, "y": MiB}
+    ops = [
+        ("f1", ["x"], ["s1"]),
+        ("f2", ["x"], ["s2"]),
+        ("big", ["x"], ["b"]),
+        ("turn", ["x"], ["d"]),
+        ("m", ["d"], ["e"]),
+        ("k1", ["s1", "e"], ["g1"]),
+        ("k2", ["s2", "g1"], ["g2"]),
+        ("kb", ["b", "g2", "x"], ["y"]),
+    ]
+    program = Program.from_ops(ops, sizes, inputs=["x"], outputs=["y"], flops={2: 10**12})
+    rewrite = choose_recompute(program, 25 * MiB, recomputable=lambda s: True)
+    check_rewrite(program, rewrite, lambda s: True)
+    assert [program.buffers[b].label for b in rewrite.recomputed] == ["b"]
+    assert (rewrite.peak_bytes_before, rewrite.peak_bytes) == (36 * MiB, 24 * MiB)
