@@ -350,6 +350,8 @@ def _first_call_lines(name: str, r: dict) -> list[str]:
     parts = parts if depths else ["one decoder written four ways (below), against `jax.jit`'s first call."]
     if second:
         parts.append(f'A second process with the persistent cache on (see "The first call"): {second}.')
+    if r.get("note"):  # where the record's rows come from more than one run
+        parts.append(f"Rows: {r['note']}.")
     return [
         f"**First call** (trace, plan, cut, compile, run; `{name}`; {where(r)}): " + " ".join(parts),
         "",
