@@ -36,7 +36,7 @@ from oocjax.schedule.moves import Schedule
 from oocjax.schedule.profiles import DeviceProfile
 from oocjax.schedule.program import Program
 from oocjax.schedule.recompute import cheaper_than_moving, choices_alike, choose_recompute
-from oocjax.schedule.rewrite import Rewrite, compose, identity_rewrite, recompute_program
+from oocjax.schedule.rewrite import Rewrite, compose, hoisted, identity_rewrite, recompute_program
 from oocjax.schedule.units import MiB
 from oocjax.schedule.window import plan_window
 
@@ -116,12 +116,12 @@ def plan_hybrid(
         rules["layers"] = layers or blocks
         alike = functools.partial(choices_alike, program, rules["layers"])
         rewrites = [(choose_recompute(program, budget_bytes, **rules), False)]
-        candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike)
+        candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike, rules["layers"])
         # Per-block remat (which recomputes more), then the selector's picks, where those alone move.
         if blocks and recompute == "auto" and not any(c.schedule.moves_nothing for c in candidates):
             by_block = dict.fromkeys(block_targets(program, blocks, backward_start), backward_start)
             rewrites = [(choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True)]
-            candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike)
+            candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike, rules["layers"])
     if not candidates:
         raise infeasible
     chosen = _chosen(candidates, recompute, swap, budget_bytes)
@@ -158,12 +158,19 @@ class _Candidate:
 
 
 def _planned(
-    rewrites: list, planner: Callable, budget_bytes: int, window: dict, profile, alike: Callable
+    rewrites: list, planner: Callable, budget_bytes: int, window: dict, profile, alike: Callable, runs: Sequence
 ) -> list[_Candidate]:
-    """The rewrites (each with whether it is by block) that the planner fits, planned and timed."""
+    """The rewrites (each with whether it is by block) that the planner fits, planned and timed;
+    ``runs``: the original program's layers (``rewrite.hoisted``)."""
     candidates = []
-    for rewrite, by_block in rewrites:
-        schedule = _plan_or_none(planner, rewrite, budget_bytes, window) if rewrite.recomputed else None
+    for chosen, by_block in rewrites:
+        if not chosen.recomputed:
+            continue
+        # Copies of no layer's work run before the layer they serve (``rewrite.hoisted``), where that fits.
+        rewrite = hoisted(chosen, runs)
+        schedule = _plan_or_none(planner, rewrite, budget_bytes, window)
+        if schedule is None and rewrite is not chosen:
+            rewrite, schedule = chosen, _plan_or_none(planner, chosen, budget_bytes, window)
         if schedule is not None:
             time = simulate_time(rewrite.program, schedule, profile).step_time_s
             candidates.append(_Candidate(rewrite, schedule, time, by_block, alike(rewrite.recomputed)))

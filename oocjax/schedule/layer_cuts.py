@@ -5,7 +5,6 @@ program, and what two ranges of steps compile to as far as the planner sees (``s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import pairwise
 
 from oocjax.schedule.program import Program
 
@@ -23,6 +22,10 @@ def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flo
     [0, 1, 2]
     >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 3, "Dense")], min_flops=0))  # the second is not
     []
+    >>> q = Program.from_ops([("f", ["x"], ["y"]), ("g", ["y"], ["z"]), ("f", ["z"], ["w"]), ("h", ["w"], ["v"])],
+    ...                      {"x": 8, "y": 8, "z": 8, "w": 8, "v": 8}, inputs=["x"], outputs=["v"])
+    >>> sorted(layer_cuts(q, [(0, 1, "Dense"), (2, 3, "Dense")], min_flops=0))  # alike, g between them
+    [0, 1, 2, 3]
     """
     return frozenset(bound for group in layer_groups(program, layers, min_flops) for bound in group)
 
@@ -52,8 +55,8 @@ def layer_groups(
         if len(blocks) >= MIN_GROUPS:
             wanted = min(wanted, len(blocks) // MIN_GROUPS)
         per_group = period * max(1, wanted)
-        starts = [runs[i][0] for i in range(0, len(runs), per_group)]
-        ranges = list(pairwise([*starts, runs[-1][1]]))
+        # A group ends with its last layer: what runs before the next (copies moved out of it) is not its own.
+        ranges = [(runs[i][0], runs[min(i + per_group, len(runs)) - 1][1]) for i in range(0, len(runs), per_group)]
         signatures = [segment_signature(program, a, y) for a, y in ranges]
         groups += [r for r, signature in zip(ranges, signatures) if signatures.count(signature) > 1]
     return tuple(groups)

@@ -341,7 +341,8 @@ def compose(first: Rewrite, second: Rewrite) -> Rewrite:
 def runs_after(rewrite: Rewrite, runs: Sequence[tuple[int, int, str]]) -> tuple[tuple[int, int, str], ...]:
     """Runs ``(start, stop, kind)`` of the original program's steps (``transforms.layers``) as runs of
     the rewritten one: each from just after the original step before its first, so that the copies
-    made for its steps join it, to just after its last. Runs found again in the rewritten program
+    made for its steps join it (but not copies of steps outside every run that lead it: ``hoisted``
+    puts them there), to just after its last. Runs found again in the rewritten program
     are not as good: copies a layer recomputes in its own way (its input's producer, at the bottom
     layer) break the repeats a search by structure looks for.
 
@@ -355,7 +356,65 @@ def runs_after(rewrite: Rewrite, runs: Sequence[tuple[int, int, str]]) -> tuple[
     """
     copied = set(rewrite.copied_steps)
     at = [i for i in range(len(rewrite.origin_step)) if i not in copied]  # original step -> new step
-    return tuple((at[a - 1] + 1 if a else 0, at[y - 1] + 1, kind) for a, y, kind in runs)
+    outside = _outside_every_run(rewrite, runs)
+    found = []
+    for a, y, kind in runs:
+        start = at[a - 1] + 1 if a else 0
+        while start < at[a] and outside(start):  # copies of no layer's work lead it: not the layer's own
+            start += 1
+        found.append((start, at[y - 1] + 1, kind))
+    return tuple(found)
+
+
+def hoisted(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Rewrite:
+    """``rewrite`` with the copies of steps outside every run (``runs``: ``(start, stop, ...)`` of
+    the original program's steps, e.g. its layers) that fall inside a run moved to the start of that
+    run, where what they read is made before it; ``runs_after`` leaves them out of the run. Copies
+    are made where first needed, so a value made outside the layers and recomputed for one of them
+    (a decoder's embedding output, for its bottom layer's backward pass) lands inside that layer:
+    it would run a program of its own, unlike its siblings. Moved, it is held a few steps longer.
+
+    >>> p = Program.from_ops(
+    ...     [("f", ["x"], ["a"]), ("g", ["x"], ["b"]), ("h", ["b"], ["c"]), ("k", ["a", "c"], ["y"])],
+    ...     {"x": 1, "a": 8, "b": 1, "c": 1, "y": 1}, inputs=["x"], outputs=["y"])
+    >>> r = recompute_program(p, [1], recomputable=lambda step: True, across=2)  # a made again before k
+    >>> r.origin_step, hoisted(r, [(2, 4)]).origin_step, runs_after(hoisted(r, [(2, 4)]), [(2, 4, "layer")])
+    ((0, 1, 2, 0, 3), (0, 1, 0, 2, 3), ((3, 5, 'layer'),))
+    """
+    if not rewrite.copied_steps or not runs:
+        return rewrite
+    copied, outside = set(rewrite.copied_steps), _outside_every_run(rewrite, runs)
+    steps, defined_at = rewrite.program.steps, rewrite.program.uses.defined_at
+    order: list[int] = []
+    for start, stop, _ in runs_after(rewrite, [(a, y, "") for a, y, *_ in runs]):
+        order += range(len(order), start)
+        early: dict[int, None] = {}
+        for k in range(start, stop):
+            if k in copied and outside(k):
+                made = (defined_at[b] for b in steps[k].reads)
+                if all(d is None or d < start or d in early for d in made):
+                    early[k] = None
+        order += [*early, *(k for k in range(start, stop) if k not in early)]
+    order += range(len(order), len(steps))
+    if order == sorted(order):
+        return rewrite
+    program = Program(steps=tuple(steps[k] for k in order), buffers=rewrite.program.buffers)
+    return replace(
+        rewrite,
+        program=program,
+        origin_step=tuple(rewrite.origin_step[k] for k in order),
+        copied_steps=tuple(i for i, k in enumerate(order) if k in copied),
+        peak_bytes=max(in_core_bytes(program), default=0),
+    )
+
+
+def _outside_every_run(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Callable[[int], bool]:
+    """Whether a step of the rewritten program is a copy of an original step that no run holds."""
+    inside = [False] * (max((y for _, y, *_ in runs), default=0))
+    for a, y, *_ in runs:
+        inside[a:y] = [True] * (y - a)
+    copied, origin = set(rewrite.copied_steps), rewrite.origin_step
+    return lambda k: k in copied and not (origin[k] < len(inside) and inside[origin[k]])
 
 
 def identity_rewrite(program: Program, skipped: Iterable[Skipped] = ()) -> Rewrite:
