@@ -126,7 +126,7 @@ def plan_hybrid(
         raise infeasible
     chosen = _chosen(candidates, recompute, swap, budget_bytes)
     if recompute == "auto":  # then what it still moves, recomputed where that is cheaper
-        rounds = _recompute_moved(chosen, planner, budget_bytes, window, profile, recomputable)
+        rounds = _recompute_moved(chosen, planner, budget_bytes, window, profile, recomputable, layers or blocks)
         chosen = _steadiest([chosen, *rounds], budget_bytes)
     plan = dict(rewrite=chosen.rewrite, schedule=chosen.schedule, step_time_s=chosen.time_s, by_block=chosen.by_block)
     return HybridPlan(**plan, swap_only=swap, swap_only_time_s=swap_time)
@@ -166,11 +166,7 @@ def _planned(
     for chosen, by_block in rewrites:
         if not chosen.recomputed:
             continue
-        # Copies of no layer's work run before the layer they serve (``rewrite.hoisted``), where that fits.
-        rewrite = hoisted(chosen, runs)
-        schedule = _plan_or_none(planner, rewrite, budget_bytes, window)
-        if schedule is None and rewrite is not chosen:
-            rewrite, schedule = chosen, _plan_or_none(planner, chosen, budget_bytes, window)
+        rewrite, schedule = _hoisted_plan(planner, chosen, budget_bytes, window, runs)
         if schedule is not None:
             time = simulate_time(rewrite.program, schedule, profile).step_time_s
             candidates.append(_Candidate(rewrite, schedule, time, by_block, alike(rewrite.recomputed)))
@@ -224,7 +220,13 @@ MOVED_SHARE = 0.02
 
 
 def _recompute_moved(
-    chosen: _Candidate, planner: Callable, budget_bytes: int, window: dict, profile, recomputable: Callable[[int], bool]
+    chosen: _Candidate,
+    planner: Callable,
+    budget_bytes: int,
+    window: dict,
+    profile,
+    recomputable: Callable[[int], bool],
+    runs: Sequence,
 ) -> list[_Candidate]:
     """Plans in which the values ``chosen`` moves are recomputed instead, where that costs less than
     moving them out and back (``recompute.cheaper_than_moving``), in rounds on each other."""
@@ -243,8 +245,7 @@ def _recompute_moved(
         again = recompute_program(rewritten.program, targets, recomputable=copyable)
         if not again.recomputed:
             break
-        rewrite = compose(rewritten, again)
-        schedule = _plan_or_none(planner, rewrite, budget_bytes, window)
+        rewrite, schedule = _hoisted_plan(planner, compose(rewritten, again), budget_bytes, window, runs)
         if schedule is None:
             break
         time = simulate_time(rewrite.program, schedule, profile).step_time_s
@@ -275,6 +276,19 @@ def _apply_policy(
 def _moved(schedule: Schedule) -> int:
     """How much a schedule moves, to break ties in time: fewer copies, less to go wrong."""
     return len(schedule.moves) + len(schedule.host_inputs)
+
+
+def _hoisted_plan(
+    planner: Callable, rewrite: Rewrite, budget_bytes: int, window: dict, runs: Sequence
+) -> tuple[Rewrite, Schedule | None]:
+    """``rewrite`` with the copies of no layer's work run before the layer they serve
+    (``rewrite.hoisted``, ``runs``: the original program's layers) and its plan; as it is where
+    that does not fit; None for the plan where neither does."""
+    moved = hoisted(rewrite, runs)
+    schedule = _plan_or_none(planner, moved, budget_bytes, window)
+    if schedule is None and moved is not rewrite:
+        return rewrite, _plan_or_none(planner, rewrite, budget_bytes, window)
+    return moved, schedule
 
 
 def _plan_or_none(planner: Callable, rewrite: Rewrite, budget_bytes: int, window: dict) -> Schedule | None:
