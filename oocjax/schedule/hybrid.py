@@ -113,15 +113,15 @@ def plan_hybrid(
     candidates = [] if swap is None else [_Candidate(identity_rewrite(program), swap, swap_time, False)]
     if recompute != "off" and not (swap is not None and swap.moves_nothing):
         rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes, forced=forced)
-        rules["layers"] = layers or blocks
+        rules["layers"] = runs = layers or blocks
         alike = functools.partial(choices_alike, program, rules["layers"])
         rewrites = [(choose_recompute(program, budget_bytes, **rules), False)]
-        candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike, rules["layers"])
+        candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike, runs)
         # Per-block remat (which recomputes more), then the selector's picks, where those alone move.
         if blocks and recompute == "auto" and not any(c.schedule.moves_nothing for c in candidates):
             by_block = dict.fromkeys(block_targets(program, blocks, backward_start), backward_start)
             rewrites = [(choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True)]
-            candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike, rules["layers"])
+            candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike, runs)
     if not candidates:
         raise infeasible
     chosen = _chosen(candidates, recompute, swap, budget_bytes)

@@ -386,6 +386,7 @@ def hoisted(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Rewrite:
     copied, outside = set(rewrite.copied_steps), _outside_every_run(rewrite, runs)
     steps, defined_at = rewrite.program.steps, rewrite.program.uses.defined_at
     order: list[int] = []
+    moved = False
     for start, stop, _ in runs_after(rewrite, [(a, y, "") for a, y, *_ in runs]):
         order += range(len(order), start)
         early: dict[int, None] = {}
@@ -395,9 +396,10 @@ def hoisted(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Rewrite:
                 if all(d is None or d < start or d in early for d in made):
                     early[k] = None
         order += [*early, *(k for k in range(start, stop) if k not in early)]
-    order += range(len(order), len(steps))
-    if order == sorted(order):
+        moved |= any(k != start + i for i, k in enumerate(early))
+    if not moved:
         return rewrite
+    order += range(len(order), len(steps))
     program = Program(steps=tuple(steps[k] for k in order), buffers=rewrite.program.buffers)
     return replace(
         rewrite,
