@@ -33,9 +33,9 @@ estimated savings together stay within the bytes over the budget there (each wou
 anyway); such a pick is kept only if the peak falls by 3/4 of its estimate, else its best class is
 tried alone, and one class at a time from then on. Where the classes a pick would take are
 estimated to save under a quarter of the excess, the best class that alone covers it goes first
-(``_leap``). Given the layers' steps, the choices are then
-made alike in alike layers (``_alike_in_alike_layers``: as most of them have it, else in all), where
-that fits in core as well: alike layers then compile one program, the bottom layer included.
+(``_leap``). Given the layers' steps, the choices are then made alike in alike layers
+(``_alike_in_alike_layers``: as most of them have it, else in all), where that fits in core as
+well, within a thousandth of the budget: alike layers then compile one program, the bottom included.
 """
 
 from __future__ import annotations
@@ -178,11 +178,9 @@ def cheaper_than_moving(
     the values their copies need that would otherwise be gone (at most ``most`` a value, each
     recomputable): targets for ``rewrite.recompute_program`` on ``program``, each split at its
     longest gap. A copy's other inputs must be read at or after that gap anyway (a parameter or a
-    checkpoint the late reads bring back), so recomputing extends no other value's life.
-
-    This catches what the pressure selector cannot see: a value recomputed for the backward pass
-    whose copy is then held across a later peak (a LayerNorm's output, recomputed with its block
-    and read again by the block's weight gradients), which the planner moves instead."""
+    checkpoint the late reads bring back), so recomputing extends no other value's life. This
+    catches what the pressure selector cannot see: a value recomputed for the backward pass whose
+    copy is held across a later peak (a LayerNorm's output, read again by its weight gradients)."""
     uses, steps, buffers = program.uses, program.steps, program.buffers
     moved = dict.fromkeys(m.buffer for m in schedule.moves if isinstance(m, Offload))
     targets: dict[int, None] = {}
@@ -311,9 +309,12 @@ def _excess(device: Sequence[int], budget: int) -> tuple[int, int]:
 
 def _fits_as_well(trial: Rewrite, device: Sequence[int], budget: int, floor_fits: bool, min_offload_bytes: int) -> bool:
     """Whether ``trial`` fits in core where ``device`` (bytes per step) did, is no further over the
-    budget where it did not, and keeps the smallest feasible budget within the budget."""
-    after = in_core_bytes(trial.program)
-    held = max(after, default=0) <= budget or _excess(after, budget) <= _excess(device, budget)
+    budget where it did not, but for a thousandth (a 4-layer decoder's bottom layer held 256 bytes
+    less of 7.4 MB with its own bias gradient recomputed, and compiled two more programs), and keeps
+    the smallest feasible budget within the budget."""
+    (peak, over), (was_peak, was_over) = _excess(in_core_bytes(trial.program), budget), _excess(device, budget)
+    slight = peak <= was_peak + budget / 1000 and over <= was_over * 1.001
+    held = peak <= budget or (peak, over) <= (was_peak, was_over) or slight
     return held and not (floor_fits and max(required_bytes(trial.program, min_offload_bytes)) > budget)
 
 
