@@ -181,3 +181,21 @@ def test_a_prefetch_for_after_a_group_of_layers_alike_waits_for_its_end_rather_t
     assert not check_segments(program, plan, segments)
     # Without the layers, the prefetch cuts where it was planned.
     assert [(x.start, x.stop) for x in cut_segments(program, plan, budget_bytes=64 * MiB)] == [(0, 5), (5, 7)]
+
+
+def test_prefetches_issued_alike_in_every_layer_keep_their_cuts_so_the_copies_overlap_the_layers():
+    """The same three layers, each fetching a piece of the update's state at its middle: every
+    layer is cut there alike (the pieces share programs), and the copies overlap the layers."""
+    from oocjax.schedule.moves import Prefetch, Schedule
+
+    names = ["x", "a1", "h1", "a2", "h2", "a3", "h3", "s1", "s2", "s3", "out"]
+    steps = [("f", ["x"], ["a1"]), ("g", ["a1"], ["h1"]), ("f", ["h1"], ["a2"]), ("g", ["a2"], ["h2"])]
+    steps += [("f", ["h2"], ["a3"]), ("g", ["a3"], ["h3"]), ("update", ["h3", "s1", "s2", "s3"], ["out"])]
+    program = Program.from_ops(steps, dict.fromkeys(names, MiB), inputs=["x", "s1", "s2", "s3"], outputs=["out"])
+    state = [names.index(name) for name in ("s1", "s2", "s3")]
+    fetches = tuple(Prefetch(buffer=b, issue_step=k, use_step=6) for b, k in zip(state, (1, 3, 5), strict=True))
+    plan = Schedule(strategy="hand", budget_bytes=None, host_inputs=frozenset(state), moves=fetches)
+    layers = [(0, 2, "Block"), (2, 4, "Block"), (4, 6, "Block")]
+    segments = cut_segments(program, plan, budget_bytes=64 * MiB, layers=layers)
+    assert [(x.start, x.stop) for x in segments] == [(k, k + 1) for k in range(7)]
+    assert [x.prefetches for x in segments[1:6:2]] == [(b,) for b in state]

@@ -11,7 +11,7 @@ A segment trades timing fidelity for dispatch cost, and memory for both:
 
 * **Cuts.** Every prefetch issue step and every step an offload must be done before is a cut: a
   prefetch issued earlier than planned would take memory early, and a wait cannot fall inside a
-  compiled program.
+  compiled program. A prefetch for after a layer may wait for its end (``deferred_prefetches``).
 * **Memory.** A segment's device memory is coarser than the per-step model: its arguments live
   through the whole program, its results are allocated when it is launched (new parameters
   written over donated old ones excepted: XLA updates those in place), and prefetches are issued
@@ -36,7 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
-from oocjax.schedule.layer_cuts import layer_groups, segment_signature
+from oocjax.schedule.layer_cuts import deferred_prefetches, layer_groups, segment_signature
 from oocjax.schedule.moves import Offload, Schedule
 from oocjax.schedule.program import Program, Stay, Step
 
@@ -381,24 +381,11 @@ def _bounds(
     """The steps segments must start at (the step count last), and those no merge may remove."""
     n = len(program.steps)
     groups = layer_groups(program, layers, min_flops)
-    waits = {m.done_before_step for m in schedule.offloads}
-    deferred = {k for k in schedule.prefetches_by_issue_step if k not in waits and _for_later(schedule, groups, k)}
-    cuts = {0, *(schedule.copy_steps - deferred)}
+    cuts = {0, *(schedule.copy_steps - deferred_prefetches(schedule, groups))}
     if min_segments > 1:
         cuts |= {n * i // min_segments for i in range(min_segments)}
     hard = frozenset(cut_before) | {bound for group in groups for bound in group}
     return [*sorted(c for c in cuts | hard if c < n), n], hard
-
-
-def _for_later(schedule: Schedule, groups: Sequence[tuple[int, int]], k: int) -> bool:
-    """Whether the prefetches issued at step ``k`` are issued inside a group of layers alike and
-    read after it: they wait for the group's end (``issued_before``), which holds nothing more,
-    rather than cut a layer that would run its group's program in two (a 4-layer decoder's bottom
-    backward layer, where the optimizer state of the update's layers began to come back, was two
-    programs of its own)."""
-    group = next(((a, y) for a, y in groups if a < k < y), None)
-    issued = schedule.prefetches_by_issue_step.get(k, ())
-    return group is not None and all(m.use_step >= group[1] for m in issued)
 
 
 def _apart(a: int, y: int, original_of: dict[int, int]) -> list[tuple[int, int]]:
