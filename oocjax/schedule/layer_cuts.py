@@ -1,6 +1,6 @@
-"""Cuts at layers alike: where groups of repeated layers begin, so that they run one compiled
-program, the prefetch cuts inside them that wait for their end instead, and what two ranges of steps
-compile to as far as the planner sees (``segment_signature``).
+"""Cuts at layers alike: where groups of repeated layers begin and end (``layer_groups``), so that
+they run one compiled program; the prefetch cuts inside them that wait for their end instead; and
+what two ranges of steps compile to as far as the planner sees (``segment_signature``).
 """
 
 from __future__ import annotations
@@ -15,25 +15,6 @@ from oocjax.schedule.program import Program
 MIN_GROUPS = 4
 
 
-def layer_cuts(program: Program, layers: Sequence[tuple[int, int, str]], min_flops: int) -> frozenset[int]:
-    """The steps where groups of layers alike begin, and where the last of them ends: the bounds
-    of ``layer_groups``.
-
-    >>> from oocjax.schedule import Program
-    >>> p = Program.from_ops([("f", ["x"], ["y"]), ("f", ["y"], ["z"]), ("h", ["z"], ["w"])],
-    ...                      {"x": 8, "y": 8, "z": 8, "w": 8}, inputs=["x"], outputs=["w"])
-    >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 2, "Dense")], min_flops=0))  # two layers alike
-    [0, 1, 2]
-    >>> sorted(layer_cuts(p, [(0, 1, "Dense"), (1, 3, "Dense")], min_flops=0))  # the second is not
-    []
-    >>> q = Program.from_ops([("f", ["x"], ["y"]), ("g", ["y"], ["z"]), ("f", ["z"], ["w"]), ("h", ["w"], ["v"])],
-    ...                      {"x": 8, "y": 8, "z": 8, "w": 8, "v": 8}, inputs=["x"], outputs=["v"])
-    >>> sorted(layer_cuts(q, [(0, 1, "Dense"), (2, 3, "Dense")], min_flops=0))  # alike, g between them
-    [0, 1, 2, 3]
-    """
-    return frozenset(bound for group in layer_groups(program, layers, min_flops) for bound in group)
-
-
 def layer_groups(
     program: Program, layers: Sequence[tuple[int, int, str]], min_flops: int
 ) -> tuple[tuple[int, int], ...]:
@@ -45,7 +26,19 @@ def layer_groups(
     pass is alike (``segment_signature``: the same operations on the same sizes, keeping the same values
     for later), so that they run one compiled program; a group like no other is left to the cuts
     the plan needs. A cut that buys no sharing costs a launch, compiles a program more and moves
-    where XLA rounds low-precision values.
+    where XLA rounds low-precision values. Segments begin and end at these bounds.
+
+    >>> from oocjax.schedule import Program
+    >>> p = Program.from_ops([("f", ["x"], ["y"]), ("f", ["y"], ["z"]), ("h", ["z"], ["w"])],
+    ...                      {"x": 8, "y": 8, "z": 8, "w": 8}, inputs=["x"], outputs=["w"])
+    >>> layer_groups(p, [(0, 1, "Dense"), (1, 2, "Dense")], min_flops=0)  # two layers alike
+    ((0, 1), (1, 2))
+    >>> layer_groups(p, [(0, 1, "Dense"), (1, 3, "Dense")], min_flops=0)  # the second is not
+    ()
+    >>> q = Program.from_ops([("f", ["x"], ["y"]), ("g", ["y"], ["z"]), ("f", ["z"], ["w"]), ("h", ["w"], ["v"])],
+    ...                      {"x": 8, "y": 8, "z": 8, "w": 8, "v": 8}, inputs=["x"], outputs=["v"])
+    >>> layer_groups(q, [(0, 1, "Dense"), (2, 3, "Dense")], min_flops=0)  # alike, g between them
+    ((0, 1), (2, 3))
     """
     groups: list[tuple[int, int]] = []
     for runs in _passes(layers):

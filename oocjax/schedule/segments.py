@@ -329,7 +329,7 @@ def cut_segments(
       min_segments: cut into at least this many segments (for measuring the executor's overhead).
       cut_before: steps that must start a segment, never merged away.
       layers: ``(start, stop, kind)`` per run of a layer's steps (``transforms.layers``): groups
-        of layers alike start segments (``layer_cuts``), so that they share programs.
+        of layers alike start segments (``layer_groups``), so that they share programs.
       copies: ``(original, copy)`` steps never to run in one segment (where the compiler would
         merge a recomputed value back into its original inside one program).
       measured: what launching compiled ranges allocated (``SegmentCost.launch_bytes``), by their
