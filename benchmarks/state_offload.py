@@ -1,11 +1,12 @@
 """Training state larger than the device, planned for a GPU on this CPU: bytes moved against the floor.
 
 The project's GPT (``examples.models.Transformer``) with unmodified ``optax.adamw`` and f32 state,
-its blocks in a Python loop and in an ``nn.scan``, at GPU budgets, planned as ``ooc_jit`` plans it
-on a GPU: the step traced over abstract arguments (nothing is allocated), its state donated, the
-H200's published rates for the recompute-or-move choice, the GPU's defaults for the smallest
-segment (``min_segment_flops``) and the headroom (8%), and ample host memory. Nothing is compiled:
-each segment's memory is the planner's own estimate (a GPU run measures it and may plan again).
+its blocks in a Python loop and in an ``nn.scan``, at GPU budgets, planned for an H200 from this
+machine (``step.plan(state, tokens, profile="h200")``): the step traced over abstract arguments
+(nothing is allocated), its state donated, the H200's published rates for the recompute-or-move
+choice and a GPU's defaults (the smallest segment, 8% headroom, XLA's pinned host pool). Nothing is
+compiled: each segment's memory is the planner's own estimate (a GPU run measures it and may plan
+again).
 
 Per case it prints what a step moves against the floor, where the floor is each byte of the state
 kept in host memory once each way (to the device: the host-kept state; back: the state returned to
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -47,13 +47,8 @@ from benchmarks._machine import machine
 from examples.decoders import WAYS, decoder_case
 from examples.models import Transformer, next_token_step
 from oocjax import BudgetInfeasibleError, ooc_jit
-from oocjax import pipeline as pipeline_module
-from oocjax.schedule import PROFILES, hybrid
-from oocjax.schedule.segments import SegmentCost
+from oocjax.schedule.layer_cuts import segment_signature
 from oocjax.transforms import execute as execute_module
-from oocjax.transforms import segment as segment_module
-from oocjax.transforms import trace as trace_module
-from oocjax.transforms.segment import segment_key
 
 GIB = 2**30
 MODEL = dict(layers=24, width=2048, heads=16, vocab=32000, batch=8, seq=1024)  # 1.34B parameters
@@ -61,24 +56,7 @@ DRY_MODEL = dict(layers=4, width=512, heads=8, vocab=1024, batch=1, seq=32)  # s
 BUDGETS_GIB = (4, 14)
 TARGETS = {4: dict(to_device=1.5, back=1.3), 14: dict(to_device=1.3, back=1.2)}
 SEGMENTS_PER_LAYER, HOST_PEAK = 4, 1.2
-GPU_OPTIONS = dict(min_segment_flops=4 * 10**11, min_offload_bytes=2**20, host_budget="4TiB")
-
-
-DISTINCT_PROGRAMS: list[int] = []  # per call of estimated_costs: the programs it would compile
-
-
-def estimated_costs(flat, segments, functions, cache=None, layout=None, budget_bytes=None):
-    """``compile_segments`` without compiling: each segment's scratch is what the planner estimated
-    for it beyond its arguments and results (a GPU run measures it instead). It counts the distinct
-    programs ``compile_segments`` would compile at most (alike segments that donate otherwise
-    share one where it fits the budget)."""
-    DISTINCT_PROGRAMS.append(len({(segment_key(flat, s), segment_module._donated(s)) for s in segments}))
-    costs = []
-    for s in segments:
-        outputs = sum(math.prod(flat.avals[b].shape) * flat.avals[b].dtype.itemsize for b in s.outputs)
-        scratch = max(0, s.estimate_bytes - s.held_bytes - outputs)
-        costs.append(SegmentCost(temp_bytes=scratch, output_bytes=outputs, alias_bytes=0))
-    return [None] * len(segments), costs
+PROFILE = "h200"
 
 
 def abstract_case(model: dict, scan: bool):
@@ -96,11 +74,10 @@ def abstract_case(model: dict, scan: bool):
 def plan_case(model: dict, scan: bool, budget_bytes: int) -> dict:
     step_fn, state, tokens = abstract_case(model, scan)
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-    headroom = int(0.08 * budget_bytes)
     started = time.perf_counter()
-    step = ooc_jit(step_fn, budget=budget_bytes, donate_argnums=(0,), headroom_bytes=headroom, **GPU_OPTIONS)
+    step = ooc_jit(step_fn, budget=budget_bytes, donate_argnums=(0,))
     try:
-        plan = step.plan(state, tokens)
+        plan = step.plan(state, tokens, profile=PROFILE)
     except BudgetInfeasibleError as error:
         return dict(scan=scan, budget_bytes=budget_bytes, state_bytes=state_bytes, infeasible=str(error).split("\n")[0])
     seconds = time.perf_counter() - started
@@ -120,10 +97,12 @@ def plan_case(model: dict, scan: bool, budget_bytes: int) -> dict:
         back_vs_floor=timeline.d2h_bytes / floor_out if floor_out else None,
         segments=len(plan.segments),
         segments_per_layer=len(plan.segments) / model["layers"],
-        distinct_programs=DISTINCT_PROGRAMS[-1],
+        distinct_programs=len({segment_signature(plan.program, s.start, s.stop) for s in plan.segments}),
         host_peak_bytes=plan.host_peak_bytes,
         host_peak_vs_kept=plan.host_peak_bytes / floor_in if floor_in else None,
         recomputed=len(plan.recomputed),
+        step_time_s=plan.step_time_s,
+        in_core_time_s=plan.in_core_time_s,
         plan_seconds=seconds,
     )
 
@@ -254,7 +233,8 @@ def show(row: dict, targets: dict | None) -> None:
         f"{row['segments']} segments = {row['segments_per_layer']:.1f} per layer (target <= {SEGMENTS_PER_LAYER}), "
         f"{row['distinct_programs']} distinct programs; "
         f"host peak {ratio('host_peak_vs_kept', HOST_PEAK)} the host-kept state; "
-        f"{row['recomputed']} values recomputed; planned in {row['plan_seconds']:.0f} s",
+        f"{row['recomputed']} values recomputed; simulated step {row['step_time_s']:.3f} s = "
+        f"{row['step_time_s'] / row['in_core_time_s']:.2f}x in core; planned in {row['plan_seconds']:.0f} s",
         flush=True,
     )
 
@@ -263,9 +243,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="a small GPT at budgets scaled to its state")
     parser.add_argument("--variants", default="loop,scan")
-    parser.add_argument("--traced-order", action="store_true", help="keep the optimizer's updates at the end")
     parser.add_argument("--end-to-end", action="store_true", help="train the scaled GPT on this machine's device")
-    parser.add_argument("--moved-rounds", type=int, help="schedule.hybrid.MOVED_ROUNDS (default: the library's)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.end_to_end:
@@ -279,13 +257,6 @@ def main() -> None:
             print(f"wrote {args.out}")
         return
     model = DRY_MODEL if args.dry_run else MODEL
-    if args.moved_rounds is not None:
-        hybrid.MOVED_ROUNDS = args.moved_rounds
-    # Planned as on a GPU: the H200's rates, and compiling nothing (see ``estimated_costs``).
-    pipeline_module.measure_profile = lambda **_: PROFILES["h200"]
-    pipeline_module.compile_segments = estimated_costs
-    if args.traced_order:  # the comparison: every update after the whole backward pass, as traced
-        trace_module.reorder_tail = lambda flat, donated, budget_bytes: flat  # the order as traced
     rows = []
     for scan in [variant == "scan" for variant in args.variants.split(",")]:
         for gib in BUDGETS_GIB:
@@ -300,10 +271,7 @@ def main() -> None:
             show(rows[-1], TARGETS[gib])
     if args.out:
         out = Path(args.out)
-        order = "traced" if args.traced_order else "updates after gradients"
-        record = dict(benchmark="state_offload", model=model, optimizer="adamw f32", profile="h200", order=order)
-        record["moved_rounds"] = hybrid.MOVED_ROUNDS
-        record["rows"] = rows
+        record = dict(benchmark="state_offload", model=model, optimizer="adamw f32", profile=PROFILE, rows=rows)
         out.write_text(json.dumps(record | machine(), indent=1) + "\n")
         print(f"wrote {out}")
 

@@ -1,14 +1,9 @@
 """``ooc_jit``: a drop-in for ``jax.jit`` that fits a training step in a device-memory budget.
 
 This module is the face; each stage has its own module. Per argument signature (cached, so a
-second call with the same shapes neither traces nor plans again):
-
-  arguments (``oocjax.arguments``: statics, signature, labels)
-    -> trace (``transforms.trace``; ``transforms.analyse`` sizes and labels every value)
-    -> plan -> segment -> compile (``oocjax.pipeline``: ``schedule.plan_window``,
-       ``schedule.cut_segments``, ``transforms.segment``, ``transforms.execute``), closed on the budget
-    -> execute (``oocjax.placement`` puts the arguments where the plan expects them;
-       ``transforms.execute.ChainExecutor``: real transfers and waits; ``oocjax.donation``).
+second call with the same shapes neither traces nor plans again): arguments (``oocjax.arguments``)
+-> trace (``transforms.trace``, ``transforms.analyse``) -> plan, segment, compile, closed on the
+budget (``oocjax.pipeline``) -> execute (``oocjax.placement``, ``transforms.execute``, ``oocjax.donation``).
 """
 
 from __future__ import annotations
@@ -30,6 +25,7 @@ from oocjax.pipeline import MAX_RUNTIME_REPLANS, StepPlanner
 from oocjax.placement import device_if_on_host, nbytes, on_host, place_arguments, to_device, to_host
 from oocjax.plan import Plan
 from oocjax.refusals import state_returned_on_the_device
+from oocjax.schedule.profiles import DeviceProfile, resolve_profile
 from oocjax.transforms.segment import segment_specs
 from oocjax.transforms.trace import TracedStep, trace_arguments
 
@@ -106,7 +102,7 @@ class OocJitted:
         self.budget_bytes = budget_bytes
         self.options = options
         self._traces: dict[Any, TracedStep] = {}  # per signature
-        self._planners: dict[Any, StepPlanner] = {}  # per signature and arguments held by the caller
+        self._planners: dict[Any, StepPlanner] = {}  # per signature, arguments held by the caller, profile
         self._calls: dict[Any, tuple[TracedStep, StepPlanner]] = {}  # per ``ArgumentSpec.call_key``
         # One call at a time per step: a plan holds the budget for one call, and what one call
         # leaves in flight is counted by the next; two calls at once would each take the budget.
@@ -170,11 +166,15 @@ class OocJitted:
         delete_unreturned(donated, results)
         return jax.tree.unflatten(traced.out_tree, results)
 
-    def plan(self, *args: Any, **kwargs: Any) -> Plan:
+    def plan(self, *args: Any, profile: DeviceProfile | str | None = None, **kwargs: Any) -> Plan:
         """The plan for these arguments (arrays or ``jax.ShapeDtypeStruct``s), without running the step.
-        Its segments are compiled (once per signature, as a call would): their memory is measured."""
-        with self._lock:
-            return self._entry(args, kwargs)[1].built.plan
+        Its segments are compiled (once per signature, as a call would): their memory is measured.
+        With ``profile`` (a name in ``oocjax.schedule.PROFILES`` such as ``"h200"``, or a
+        ``DeviceProfile``) it is planned for that device from any machine, with the profile's rates
+        and its platform's defaults, each segment's memory estimated: nothing is compiled or
+        allocated (``plan.compiled`` is False). A step's own ``profile`` keyword goes positionally."""
+        profile = None if profile is None else resolve_profile(profile)
+        return self._entry(args, kwargs, profile=profile)[1].built.plan
 
     def lower(
         self, *args: Any, lowering_platforms: Sequence[str] | None = None, **kwargs: Any
@@ -195,10 +195,10 @@ class OocJitted:
             for function, segment in zip(built.segment_functions, built.plan.segments)
         )
 
-    def _entry(self, args: tuple, kwargs: dict, leaves: list | None = None) -> tuple[TracedStep, StepPlanner]:
-        """The call's trace and its planner (made on first use), per signature and which arguments
-        the caller holds on the device; ``leaves`` are the arguments' dynamic leaves, if the caller
-        has flattened them already."""
+    def _entry(self, args: tuple, kwargs: dict, leaves=None, profile=None) -> tuple[TracedStep, StepPlanner]:
+        """The call's trace and its planner (made on first use), per signature, which arguments
+        the caller holds on the device and the profile planned for (None: this device); ``leaves``
+        are the arguments' dynamic leaves, if the caller has flattened them already."""
         with self._lock:
             signature = self.arguments.signature(args, kwargs)
             if signature not in self._traces:
@@ -207,15 +207,14 @@ class OocJitted:
             if leaves is None:
                 leaves = self.arguments.dynamic_leaves(args, kwargs)
             held = tuple(not gave and not on_host(x) for x, gave in zip(leaves, traced.donated))
-            key = signature, held
+            key = signature, held, profile
             if key not in self._planners:
                 in_use = sum(nbytes(x) for x in leaves if on_host(x))
+                settings = dict(held_by_caller=held, host_bytes_in_use=in_use, profile=profile)
                 try:
-                    planner = StepPlanner(
-                        traced, self.budget_bytes, self.options, held_by_caller=held, host_bytes_in_use=in_use
-                    )
+                    planner = StepPlanner(traced, self.budget_bytes, self.options, **settings)
                 except OocError as error:  # says so where the held leaves came back from an earlier call
-                    earlier = [h for (s, h) in self._planners if s == signature]
+                    earlier = [h for (s, h, p) in self._planners if s == signature and p == profile]
                     state_returned_on_the_device(error, _name(self.fun), self.arguments, earlier, held, (args, kwargs))
                     raise
                 self._planners[key] = planner

@@ -49,17 +49,19 @@ class HostLimit:
         return min(figures, default=None)
 
 
-def host_limit(options: PlannerOptions, host_bytes_in_use: int, platform: str) -> HostLimit:
+def host_limit(options: PlannerOptions, host_bytes_in_use: int, platform: str, *, here: bool = True) -> HostLimit:
     """The host memory plans on ``platform`` may use; ``host_bytes_in_use`` is what the arguments
     already take there (in a plan's host peak, not in what the machine has available). A
-    ``host_budget`` replaces what the machine has available; the pinned pool caps either."""
+    ``host_budget`` replaces what the machine has available; the pinned pool caps either. A plan
+    made for another machine (``here=False``: a device profile's) knows nothing of that machine's
+    memory, only the pool and ``host_budget``."""
     pool = {}
     if platform in GPU_PLATFORMS:
         gib, reading = pinned_pool_gib(os.environ.get(PINNED_POOL_VARIABLE))
         pool = dict(pinned_pool_bytes=gib * 2**30, pinned_pool_reading=reading)
     if options.host_budget is not None:
         return HostLimit(given_bytes=options.host_budget, **pool)
-    available = available_host_bytes()
+    available = available_host_bytes() if here else None
     machine = None if available is None else int(available * (1 - HOST_MARGIN)) + host_bytes_in_use
     return HostLimit(machine_bytes=machine, **pool)
 

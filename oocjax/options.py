@@ -40,6 +40,7 @@ class PlannerOptions:
     headroom_bytes: int = 0
     host_budget: int | None = None  # None: what the machine has available when the step is planned
     recompute: Any = "auto"  # "auto", "off", "always" or a policy (schedule.hybrid.RecomputePolicy)
+    given: tuple[tuple[str, Any], ...] = ()  # as the user gave them, for another platform's defaults
 
     @classmethod
     def read(cls, options: dict[str, Any], platform: str, budget_bytes: int) -> PlannerOptions:
@@ -68,7 +69,12 @@ class PlannerOptions:
         for name in ("min_segment_flops", "min_segments"):
             if name in options:
                 read[name] = _count(name, options[name], smallest=0 if name == "min_segment_flops" else 1)
-        return cls(**read)
+        return cls(**read, given=tuple(options.items()))
+
+    def for_platform(self, platform: str, budget_bytes: int) -> PlannerOptions:
+        """The options the user gave, over ``platform``'s defaults (a device profile's, planned for
+        from another machine) rather than this device's."""
+        return PlannerOptions.read(dict(self.given), platform, budget_bytes)
 
     @property
     def window(self) -> dict[str, int]:

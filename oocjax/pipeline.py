@@ -36,9 +36,16 @@ from oocjax.refusals import (
 from oocjax.schedule import Program, Schedule, format_bytes, plan_window, required_bytes, validate
 from oocjax.schedule.chain import check_segments
 from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
-from oocjax.schedule.measured import executed_peak, unfitted_ranges, with_measured_scratch, with_probed_scratch
+from oocjax.schedule.measured import (
+    estimated_costs,
+    executed_peak,
+    unfitted_ranges,
+    with_measured_scratch,
+    with_probed_scratch,
+)
+from oocjax.schedule.profiles import DeviceProfile
 from oocjax.schedule.rewrite import runs_after
-from oocjax.schedule.segments import Segment, cut_segments
+from oocjax.schedule.segments import Segment, SegmentCost, cut_segments
 from oocjax.schedule.simulate import frees_host_state_early
 from oocjax.settled import SettledPlan
 from oocjax.transforms.calibrate import measure_profile
@@ -94,6 +101,10 @@ class StepPlanner:
     ``held_by_caller`` marks the flat arguments the caller passes in device memory and keeps (not
     donated): they stay on the device, and every plan counts them there. ``host_bytes_in_use`` is
     host memory the arguments already take (in the plans' host peak, not in what is available).
+
+    With a ``profile``, the step is planned for that device from any machine: with its rates and its
+    platform's host limits, and each segment's memory estimated (``measured.estimated_costs``)
+    instead of compiled. Nothing is compiled or allocated, and the step it builds does not run.
     """
 
     def __init__(
@@ -104,10 +115,15 @@ class StepPlanner:
         *,
         held_by_caller: tuple[bool, ...] = (),
         host_bytes_in_use: int = 0,
+        profile: DeviceProfile | None = None,
     ):
+        if profile is not None:  # the defaults of the profile's platform, not this machine's
+            options = options.for_platform(profile.platform, budget_bytes)
         self.traced, self.options, self.held_by_caller = traced, options, held_by_caller
+        self.profile = profile
+        self.platform = _platform() if profile is None else profile.platform
         self.program = _with_held_by_caller(traced.program, held_by_caller)
-        self.host_limit = host_limit(options, host_bytes_in_use, _platform())
+        self.host_limit = host_limit(options, host_bytes_in_use, self.platform, here=profile is None)
         # On a mesh every byte figure is per device, and this process keeps host copies for each of its devices.
         self.local_copies = 1 if traced.layout is None else len(traced.layout.replicated.addressable_devices)
         self.compiled: dict = {}
@@ -150,7 +166,7 @@ class StepPlanner:
         process made them (``oocjax.plan_cache``), else made (``_make``) and stored there."""
         options, traced = self.options, self.traced
         name = None
-        if plan_cache.directory() is not None:  # printing the jaxpr takes time (0.2 s at 24 layers): only for a cache
+        if plan_cache.directory() is not None and self.profile is None:  # printing the jaxpr: 0.2 s at 24 layers
             name = plan_cache.key(
                 str(traced.jaxpr),
                 traced.donated,
@@ -168,18 +184,14 @@ class StepPlanner:
             return self._finish(budget, entry.settled, programs or ())
         built, settled = self._make(budget)
         if name is not None:
-            plan_cache.store(name, plan_cache.Entry.of(settled, built.programs, _platform()))
+            plan_cache.store(name, plan_cache.Entry.of(settled, built.programs, self.platform))
         return built
 
     def _compiled_again(self, budget: Budget, settled: SettledPlan) -> BuiltStep:
         """The step of a plan read from the plan cache without its programs: they compile again."""
         rewrite = settled.choice.rewrite
-        flat = _flat_of(self.traced, rewrite)
-        layout = _layout(self.traced, rewrite)
-        functions = tuple(segment_functions(flat, settled.segments, _labels(settled.program), layout))
-        programs, _ = compile_segments(
-            flat, settled.segments, functions, self.compiled, layout, budget_bytes=budget.planned_bytes
-        )
+        flat, layout = _flat_of(self.traced, rewrite), _layout(self.traced, rewrite)
+        functions, programs, _ = self._compiled(flat, settled.segments, settled.program, layout, budget.planned_bytes)
         return self._finish(budget, settled, programs, functions, flat)
 
     def _make(self, budget: Budget) -> tuple[BuiltStep, SettledPlan]:
@@ -193,7 +205,8 @@ class StepPlanner:
         it may use (``host_limit``). Every plan and its chain of segments are checked by the simulator first."""
         options, traced = self.options, self.traced
         traced_layers = layer_runs(traced.flat)
-        choice = _choose(self.program, traced.flat, traced_layers, budget, options)
+        profile = self.profile or measure_profile(within_bytes=budget.user_bytes)
+        choice = _choose(self.program, traced.flat, traced_layers, budget, options, profile)
         program, schedule, rewrite = choice.program, choice.schedule, choice.rewrite
         flat = _flat_of(traced, rewrite)
         layout = _layout(traced, rewrite)
@@ -207,15 +220,12 @@ class StepPlanner:
             check_host_peak(program, schedule, self.host_limit, self.local_copies)
             cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments, layers=layers)
             cuts["cut_before"] = tuple(halved)
-            cuts["copies"] = _copies(flat) if _MERGES_COPIES.get(_platform()) else ()
+            cuts["copies"] = _copies(flat) if _MERGES_COPIES.get(self.platform) else ()
             cuts |= dict(budget_bytes=budget.planned_bytes, measured=launched)
             program, schedule, segments = self._cut(program, schedule, cuts, flat, layout, budget)
             refuse_invalid("chain of segments", check_segments(program, schedule, segments))
             refuse_tokens_between(segments, flat.avals)
-            functions = tuple(segment_functions(flat, segments, _labels(program), layout))
-            programs, costs = compile_segments(
-                flat, segments, functions, self.compiled, layout, budget_bytes=budget.planned_bytes
-            )
+            functions, programs, costs = self._compiled(flat, segments, program, layout, budget.planned_bytes)
             peak, worst = executed_peak(segments, costs)
             history.append((budget.planned_bytes, peak))
             if peak <= budget.planned_bytes:
@@ -254,7 +264,7 @@ class StepPlanner:
             probes = unfitted_ranges(program, schedule, segments, **cuts)
             if not probes:
                 break
-            launches = self._compiled_costs(flat, tuple(probes.values()), program, layout)
+            launches = [cost.launch_bytes for cost in self._compiled(flat, tuple(probes.values()), program, layout)[2]]
             cuts["measured"] |= zip(probes, launches)
             learnt = with_probed_scratch(program, schedule, tuple(probes.values()), launches, budget.planned_bytes)
             if replan and learnt is not None:
@@ -267,11 +277,17 @@ class StepPlanner:
             break
         return program, schedule, segments
 
-    def _compiled_costs(self, flat: FlatProgram, segments: tuple, program: Program, layout: Any) -> list[int]:
-        """What launching each of ``segments`` allocates, compiled (into ``self.compiled``)."""
+    def _compiled(
+        self, flat: FlatProgram, segments: Sequence[Segment], program: Program, layout: Any, budget_bytes=None
+    ) -> tuple[tuple, Sequence[Any], Sequence[SegmentCost]]:
+        """Per segment its function, its program compiled (into ``self.compiled``, sharing where
+        ``budget_bytes`` allows: ``compile_segments``) and what launching it allocates; for a
+        profile, no functions or programs and each segment's estimate (``estimated_costs``)."""
+        if self.profile is not None:
+            return (), (), estimated_costs(program, segments)
         functions = tuple(segment_functions(flat, segments, _labels(program), layout))
-        _, costs = compile_segments(flat, segments, functions, self.compiled, layout)
-        return [cost.launch_bytes for cost in costs]
+        programs, costs = compile_segments(flat, segments, functions, self.compiled, layout, budget_bytes=budget_bytes)
+        return functions, programs, costs
 
     def _finish(
         self,
@@ -287,7 +303,7 @@ class StepPlanner:
         traced, choice, program, schedule = self.traced, settled.choice, settled.program, settled.schedule
         segments, costs, attempts, peak = settled.segments, settled.costs, settled.attempts, settled.peak
         check_host_peak(program, schedule, self.host_limit, self.local_copies)
-        described = _description(traced, choice, schedule, budget)
+        described = _description(traced, choice, schedule, budget, self.profile)
         if not segments:
             return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None)
         rewrite = choice.rewrite
@@ -302,6 +318,9 @@ class StepPlanner:
         shown = functools.partial(
             chain_jaxpr, chain_function(flat, chain, functions, labels), flat, described["input_kinds"]
         )
+        if self.profile is not None:  # estimated, not compiled: nothing to run
+            measured["executed_peak_bytes"] = None
+            return BuiltStep(Plan.build(program=program, jaxpr=shown, attempts=(), **measured, **described), None)
         plan = Plan.build(program=program, jaxpr=shown, attempts=attempts, **measured, **described)
         executable = executable_chain(flat, chain, programs, costs, labels, layout)
         executor = ChainExecutor(executable, budget.planned_bytes, functions)
@@ -350,8 +369,11 @@ def _copies(flat: FlatProgram) -> tuple[tuple[int, int], ...]:
     return tuple((fe.recompute_of, k) for k, fe in enumerate(flat.equations) if fe.recompute_of is not None)
 
 
-def _description(traced: TracedStep, choice: HybridPlan, schedule: Schedule, budget: Budget) -> dict:
-    """What a plan says whether or not anything moves (``Plan.build``'s shared keywords)."""
+def _description(
+    traced: TracedStep, choice: HybridPlan, schedule: Schedule, budget: Budget, profile: DeviceProfile | None
+) -> dict:
+    """What a plan says whether or not anything moves (``Plan.build``'s shared keywords), for the
+    device at hand or the ``profile`` it was planned for."""
     kinds = tuple("pinned_host" if b in schedule.host_inputs else "device" for b in range(traced.flat.num_inputs))
     return dict(
         schedule=schedule,
@@ -361,11 +383,13 @@ def _description(traced: TracedStep, choice: HybridPlan, schedule: Schedule, bud
         in_core_program=traced.program,
         rewrite=choice.rewrite if choice.rewrite.recomputed else None,
         step_time_s=choice.step_time_s,
+        in_core_time_s=choice.in_core_time_s,
         swap_only_time_s=choice.swap_only_time_s,
         recomputed_by_block=choice.by_block and bool(choice.rewrite.recomputed),
         loops=traced.flat.loops,
         input_kinds=kinds,
-        device=jax.local_devices()[0].device_kind,
+        device=jax.local_devices()[0].device_kind if profile is None else profile.name,
+        compiled=profile is None,
         mesh="" if traced.layout is None else traced.layout.mesh,
     )
 
@@ -381,12 +405,11 @@ def _with_held_by_caller(program: Program, held: tuple[bool, ...]) -> Program:
 
 
 def _choose(
-    program: Program, flat: FlatProgram, runs: Sequence[tuple[int, int, str]], budget: Budget, options: PlannerOptions
+    program: Program, flat: FlatProgram, runs: Sequence, budget: Budget, options: PlannerOptions, profile: DeviceProfile
 ) -> HybridPlan:
     """The first plan of a budget: swap only, or recompute and swap (``schedule.plan_hybrid``), timed
-    with the device's measured rates (measured once per process)."""
-    # Swap-only plans are timed too: the plan says how fast either would run. The probes fit the budget.
-    profile = measure_profile(within_bytes=budget.user_bytes)
+    with ``profile``'s rates (the device's, measured once per process, or the profile planned for).
+    Swap-only plans are timed too: the plan says how fast either would run."""
     backward = [a for a, _, kind in runs if kind.startswith("transpose")]
     blocks = tuple((a, y) for a, y, kind in runs if backward and not kind.startswith("transpose") and y <= backward[0])
     try:

@@ -95,8 +95,12 @@ class Plan:
         budget at first, more after a call measured over the budget).
       loops: the step's top-level scans (``transforms.analyse.LoopInfo``: label, length, and whether
         it runs one iteration at a time or whole, as one operation).
-      device: the device the step was planned and compiled for (``"cpu"``, ``"NVIDIA H200"``);
+      device: the device the step was planned and compiled for (``"cpu"``, ``"NVIDIA H200"``), or
+        the device profile it was planned for (``"h200"``: ``step.plan(..., profile="h200")``);
         empty for a plan built by hand.
+      compiled: whether ``segment_costs`` are the compiled segments' own reports. False for a plan
+        made for a device profile: nothing was compiled, each segment's memory is the planner's
+        estimate, and ``executed_peak_bytes`` is None.
       mesh: on several devices, the mesh (``"8 devices, mesh data=2 model=4"``): the budget and
         every byte figure are then per device. Empty on one device.
       recomputed: the values recomputed instead of kept or moved (``RecomputeInfo``); then
@@ -106,6 +110,8 @@ class Plan:
         ``schedule.blocks``), rather than values chosen one class at a time.
       step_time_s, swap_only_time_s: the simulated step time of this plan and of the swap-only plan
         it was chosen against (on the device profile it was planned with; None where not compared).
+      in_core_time_s: the simulated step time on the same profile with nothing moved or
+        recomputed, as ``jax.jit`` would run it on a device large enough (None where not planned).
     """
 
     budget_bytes: int
@@ -129,12 +135,14 @@ class Plan:
     headroom_bytes: int = 0
     loops: tuple[Any, ...] = ()
     device: str = ""
+    compiled: bool = True
     mesh: str = ""  # on several devices: "8 devices, mesh data=8" (every byte figure is per device)
     recomputed: tuple[RecomputeInfo, ...] = ()
     extra_flops: int = 0
     recomputed_by_block: bool = False
     step_time_s: float | None = None
     swap_only_time_s: float | None = None
+    in_core_time_s: float | None = None
 
     @functools.cached_property
     def jaxpr(self) -> Any:

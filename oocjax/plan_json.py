@@ -23,6 +23,7 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
     saved = {
         "format": FORMAT,
         "device": plan.device,
+        "compiled": plan.compiled,
         "mesh": plan.mesh,
         "budget_bytes": plan.budget_bytes,
         "peak_bytes": plan.peak_bytes,
@@ -39,6 +40,7 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
         "extra_flops": plan.extra_flops,
         "step_time_s": plan.step_time_s,
         "swap_only_time_s": plan.swap_only_time_s,
+        "in_core_time_s": plan.in_core_time_s,
         "recomputed_by_block": plan.recomputed_by_block,
     }
     if full:
@@ -73,9 +75,11 @@ def loads(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
         executed_peak_bytes=data.get("executed_peak_bytes"),
         attempts=tuple(data.get("attempts", ())),
         device=data.get("device", ""),
+        compiled=data.get("compiled", True),
         mesh=data.get("mesh", ""),
         step_time_s=data.get("step_time_s"),
         swap_only_time_s=data.get("swap_only_time_s"),
+        in_core_time_s=data.get("in_core_time_s"),
         recomputed_by_block=data.get("recomputed_by_block", False),
         segments=tuple(_read_segment(segment) for segment in data.get("chain", ())),
         segment_costs=tuple(SegmentCost(**cost) for cost in data.get("segment_costs", ())),

@@ -32,6 +32,7 @@ HOST_STATE_HINT = (
 def summary(plan: Plan, profile: DeviceProfile | str | None = None, *, largest: int = 10) -> str:
     """The plan as a text report: memory, traffic, the largest moves, and the timed simulation."""
     device = f" for {plan.device}" if plan.device else ""
+    device += "" if plan.compiled else " from its profile: segments' memory estimated, nothing compiled"
     device += f" ({plan.mesh}, bytes per device)" if plan.mesh else ""
     lines = [f"oocjax plan{device} ({plan.schedule.strategy}, {len(plan.program.steps)} equations)"]
     lines += [f"  {name:<13} {value}" for name, value in _summary_rows(plan)]
@@ -77,6 +78,14 @@ def _summary_rows(plan: Plan) -> list[tuple[str, str]]:
             f"{counted(len(plan.host_outputs), 'result')}",
         ),
     ]
+    if plan.step_time_s is not None and plan.in_core_time_s:
+        rows.append(
+            (
+                "step time",
+                f"{_seconds(plan.step_time_s)} simulated, {plan.step_time_s / plan.in_core_time_s:.2f}x the step "
+                f"in core ({_seconds(plan.in_core_time_s)}), with the rates it was planned with",
+            )
+        )
     return rows + ([("loops", _loops(plan.loops))] if plan.loops else [])
 
 

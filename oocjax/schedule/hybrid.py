@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from oocjax.errors import BudgetInfeasibleError
+from oocjax.schedule.baselines import keep_all
 from oocjax.schedule.blocks import block_targets
 from oocjax.schedule.cost import simulate_time
 from oocjax.schedule.moves import Schedule
@@ -55,6 +56,8 @@ class HybridPlan:
       rewrite: the program as it runs (the identity rewrite when nothing is recomputed).
       schedule: the moves, on ``rewrite.program``.
       step_time_s: simulated step time of that plan.
+      in_core_time_s: simulated step time of the program as traced with nothing moved or recomputed,
+        on the same profile: the step in core, were the device large enough.
       swap_only: the adaptive window plan of the original program (None where it is infeasible).
       swap_only_time_s: its simulated step time (None where infeasible).
       by_block: whether ``rewrite`` recomputes by block (``schedule.blocks``) rather than by the
@@ -64,6 +67,7 @@ class HybridPlan:
     rewrite: Rewrite
     schedule: Schedule
     step_time_s: float
+    in_core_time_s: float
     swap_only: Schedule | None
     swap_only_time_s: float | None
     by_block: bool = False
@@ -129,7 +133,8 @@ def plan_hybrid(
         rounds = _recompute_moved(chosen, planner, budget_bytes, window, profile, recomputable, layers or blocks)
         chosen = _steadiest([chosen, *rounds], budget_bytes)
     plan = dict(rewrite=chosen.rewrite, schedule=chosen.schedule, step_time_s=chosen.time_s, by_block=chosen.by_block)
-    return HybridPlan(**plan, swap_only=swap, swap_only_time_s=swap_time)
+    in_core = simulate_time(program, keep_all(program), profile).step_time_s
+    return HybridPlan(**plan, in_core_time_s=in_core, swap_only=swap, swap_only_time_s=swap_time)
 
 
 # A plan that moves more bytes replaces one that moves fewer only when the model says it is faster

@@ -123,3 +123,16 @@ def _with_transient(program: Program, transient: Sequence[int]) -> Program:
         for step, extra in zip(program.steps, transient, strict=True)
     )
     return Program(steps=steps, buffers=program.buffers)
+
+
+def estimated_costs(program: Program, segments: Sequence[Segment]) -> tuple[SegmentCost, ...]:
+    """What launching each segment allocates by the planner's own estimate, in place of its compiled
+    program's report, for a plan made without compiling (for a device profile): its results, and
+    as scratch its estimated peak beyond what it holds and its results. A chain of such costs holds
+    the budget by construction; a device that compiles the segments measures them, and may plan again."""
+    costs = []
+    for segment in segments:
+        outputs = sum(program.buffers[b].nbytes for b in segment.outputs)
+        scratch = max(0, segment.estimate_bytes - segment.held_bytes - outputs)
+        costs.append(SegmentCost(temp_bytes=scratch, output_bytes=outputs, alias_bytes=0))
+    return tuple(costs)

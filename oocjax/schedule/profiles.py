@@ -29,6 +29,9 @@ class DeviceProfile:
       copies_overlap_compute: whether copies run beside compute (a GPU's copy engines) or take the
         same cores and memory bandwidth as compute (a CPU, where a copy is a memcpy): then compute
         waits while a copy runs.
+      platform: the JAX platform of such a device (``"gpu"``, ``"cpu"``): a plan made for the
+        profile takes that platform's defaults (``oocjax.options``: headroom, smallest segment) and
+        host limits (XLA's pinned pool on a GPU).
       source: where the figures come from.
     """
 
@@ -42,6 +45,7 @@ class DeviceProfile:
     h2d_latency_s: float | None = None
     d2h_latency_s: float | None = None
     copies_overlap_compute: bool = True
+    platform: str = "gpu"
     source: str = ""
 
     def compute_seconds(self, step: Step) -> float:
@@ -96,6 +100,7 @@ PROFILES: dict[str, DeviceProfile] = {
             # A copy here is a memcpy on the cores the step runs on, not a copy engine beside them
             # (benchmarks/hybrid.py measures what that costs: results/hybrid-cpu-*.json).
             copies_overlap_compute=False,
+            platform="cpu",
             source="rough estimate for a 2-core x86 machine, not measured per machine",
         ),
     )
