@@ -9,8 +9,9 @@ test asserts on it. The state (parameters and AdamW's moments, float32) is abstr
 from __future__ import annotations
 
 import json
-import resource
+import re
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,13 @@ def abstract_step():
     params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, SEQ), jnp.int32))
     state = (params, jax.eval_shape(optimizer.init, params))
     return next_token_step(model, optimizer), state, jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32)
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory since it started its program (Linux: ``VmHWM``).
+    Not ``getrusage``'s ``ru_maxrss``: that keeps the parent's peak across ``exec``."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)[1]) * 1024
 
 
 def main() -> None:
@@ -65,7 +73,7 @@ def main() -> None:
             )
         )
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak_rss = peak_resident_bytes()
     new_arrays = len(jax.live_arrays()) - live_before
     print(json.dumps(dict(state_bytes=state_bytes, peak_rss_bytes=peak_rss, new_live_arrays=new_arrays, rows=rows)))
 
