@@ -39,7 +39,6 @@ from pathlib import Path
 import jax
 
 from oocjax import ooc_jit
-from oocjax.transforms import calibrate
 
 if __package__ in (None, ""):  # run as ``python benchmarks/first_call.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -84,7 +83,6 @@ def first_call(layers: int, wrapper: str, budget: int, model: str = "zoo") -> Fi
     state = jax.tree.map(lambda x: x.copy(), state)
     jax.block_until_ready(state)
     jax.clear_caches()
-    calibrate.forget_measured()  # a process's first plan measures the device's rates: part of its first call
     compiles: list[float] = []
 
     def count(event: str, seconds: float, **_: object) -> None:

@@ -13,7 +13,6 @@ import numpy as np
 from oocjax.budget import available_host_bytes, resolve_budget, resolve_bytes
 from oocjax.schedule import MiB
 from oocjax.schedule.hybrid import RECOMPUTE_MODES
-from oocjax.transforms.calibrate import measure_profile
 
 # A segment launch costs tens of microseconds of Python and runtime work: below this much work a
 # segment is merged with the next one where memory allows (about a millisecond of work).
@@ -95,14 +94,14 @@ def read_settings(budget: int | float | str, planner_options: dict[str, Any]) ->
 def agreed_across_processes(budget_bytes: int, options: PlannerOptions) -> tuple[int, PlannerOptions]:
     """In a run of several processes, what every process must plan with alike: the least budget (a
     share of each device's memory may differ between hosts), the least host memory available (a
-    plan refused in one process alone would leave the others waiting in their first collective),
-    and process 0's device rates (``calibrate.measure_profile``). Collective: ``ooc_jit`` calls it
-    in every process when it wraps a step, so that planning later needs no other process."""
+    plan refused in one process alone would leave the others waiting in their first collective).
+    The rates plans are chosen with are the device kind's published ones, alike everywhere.
+    Collective: ``ooc_jit`` calls it in every process when it wraps a step, so that planning later
+    needs no other process."""
     if jax.process_count() == 1:
         return budget_bytes, options
     from jax.experimental import multihost_utils
 
-    measure_profile(within_bytes=budget_bytes)
     host = options.host_budget
     if host is None:
         host = int((available_host_bytes() or 0) * (1 - HOST_MARGIN))  # 0: unknown somewhere, no check

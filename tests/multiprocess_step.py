@@ -22,18 +22,12 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oocjax import ooc_jit
-from oocjax.transforms import calibrate
 
 
 def join(process: int, processes: int, port: int) -> None:
     """Joins the other processes (before anything touches a device)."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"localhost:{port}", num_processes=processes, process_id=process)
-    if process == 1:
-        # A process that measures its devices' arithmetic as much faster than process 0 does: left
-        # to itself it would choose to recompute where process 0 moves, and launch other programs.
-        measured_rate = calibrate._matmul_rate
-        calibrate._matmul_rate = lambda *args: 1000 * measured_rate(*args)
 
 
 WIDTH, BATCH, DEPTH = 256, 64, 4
@@ -104,7 +98,6 @@ def main(process: int) -> None:
                 budget=budget,
                 agreed_budget=stepped.budget_bytes,
                 plan_digest=hashlib.sha256(repr(shape).encode()).hexdigest(),
-                profile_rates=[getattr(calibrate.measure_profile(), name) for name in calibrate.AGREED_RATES],
                 segments=len(plan.segments),
                 moved_bytes=plan.moved_bytes,
                 recomputed=len(plan.recomputed),

@@ -170,10 +170,9 @@ def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path, m
     from oocjax import pipeline
     from oocjax.schedule.profiles import resolve_profile
 
-    # Planned with fixed rates, the H200's that the script is for: rates measured on a loaded CI
-    # machine twice chose a plan whose segments share no program (19 of 19), and so do the CPU's
-    # published rates; which plan the rates pick is not what this test is about.
-    monkeypatch.setattr(pipeline, "measure_profile", lambda *args, **kwargs: resolve_profile("h200"))
+    # Planned with the rates of the H200 the script is for: the CPU's published rates chose a plan
+    # whose segments share no program (19 of 19); which plan the rates pick is not what this test is about.
+    monkeypatch.setattr(pipeline, "default_profile", lambda *args, **kwargs: resolve_profile("h200"))
 
     record = profile(DRY_MODEL, None, steps=2, dry_run=True)
     rows = record["segments"]

@@ -1,14 +1,16 @@
-"""Measured device rates: a ``DeviceProfile`` for the device at hand, and the segment timings that
-calibrate the cost model against it.
+"""Device rates: the published ``DeviceProfile`` plans are chosen with (``default_profile``), and the
+measurements that check and fit such profiles: a device's own rates (``measure_profile``) and the
+segment timings that calibrate the cost model against it.
 
 The planner's cost model (``schedule.cost``) prices a step by its flops and bytes at a device's
-sustained rates and a transfer by a per-copy latency plus its bytes over the link's bandwidth. The
-published figures in ``PROFILES`` are rough; swap-or-recompute decisions need the device's own
-: a matmul rate and a memory rate measured once, a link measured
-per direction as bandwidth *and* latency (eager 4 MiB copies ran at 12-14 GB/s on an H200 where
-256 MiB ones ran at 50 GB/s, measured on that card), then the per-step
-estimates fitted to the times of the compiled segments (``time_segments``, then
-``schedule.cost.calibrate_program_costs``), as Capuchin and PoocH profile a first iteration.
+sustained rates and a transfer by a per-copy latency plus its bytes over the link's bandwidth.
+Plans are chosen with the device kind's published profile, not with rates a process measures: the
+same step, budget and device then get the same plan in every process (measured rates moved by
+tens of percent between processes on a loaded machine, and with them the plan). Measuring
+(``measure_profile``: a matmul rate, a memory rate, the link per direction as bandwidth *and*
+latency; eager 4 MiB copies ran at 12-14 GB/s on an H200 where 256 MiB ones ran at 50 GB/s) and
+fitting the per-step estimates to the times of compiled segments (``time_segments``, then
+``schedule.cost.calibrate_program_costs``) are for benchmarks that make and check profiles.
 
 ``measure_profile`` takes about a second on a 2-core CPU and is cached per device kind in the
 process; sizes grow with the device (a few milliseconds of work per timed call on each).
@@ -144,40 +146,8 @@ def measure_profile(
         d2h_latency_s=d2h.latency_s,
         source=f"measured by oocjax.transforms.calibrate.measure_profile on {device} ({sizes})",
     )
-    _MEASURED[key] = measured = _agreed(measured)
+    _MEASURED[key] = measured
     return measured
-
-
-AGREED_RATES = (
-    "flops_per_s",
-    "hbm_bytes_per_s",
-    "h2d_bytes_per_s",
-    "d2h_bytes_per_s",
-    "h2d_latency_s",
-    "d2h_latency_s",
-)
-
-
-def forget_measured() -> None:
-    """Forgets the rates this process measured, so that the next plan measures them again (for a
-    benchmark that times a process's first call, which includes measuring them)."""
-    _MEASURED.clear()
-
-
-def _agreed(profile: DeviceProfile) -> DeviceProfile:
-    """In a run of several processes, process 0's rates in every process. Plans are chosen by
-    simulated time with these rates, and every process must derive the same plan, or they launch
-    different programs and their collectives hang; each process measures its own devices a little
-    differently. All processes measure, then take process 0's figures."""
-    if jax.process_count() == 1:
-        return profile
-    from jax.experimental import multihost_utils
-
-    ours = np.array([getattr(profile, name) for name in AGREED_RATES], np.float32)
-    theirs = [float(x) for x in multihost_utils.broadcast_one_to_all(ours)]
-    rates = dict(zip(AGREED_RATES, theirs, strict=True))
-    copy_latency_s = (rates["h2d_latency_s"] + rates["d2h_latency_s"]) / 2
-    return replace(profile, **rates, copy_latency_s=copy_latency_s, source=profile.source + ", process 0's rates")
 
 
 def _on_device_alone(device: Any) -> Any:
