@@ -28,7 +28,6 @@ is the state the plan keeps in host memory copied to the device once and the sta
 copied back once, at the link's measured rates, each way alone or both at once, whichever is slower;
 the compute floor is plain ``jax.jit``'s step time. Issue 31's targets: at most 1.5x at 4 GiB and
 1.3x at 14 GiB. ``--deadline`` skips what would start too late; the JSON is rewritten after each run.
-``--moved-rounds 2`` plans with ``schedule.hybrid.MOVED_ROUNDS`` on (off by default).
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/state_offload_gpu.py --out "$OUT"
     python benchmarks/state_offload_gpu.py --dry-run     # anywhere: a small GPT at scaled budgets
@@ -59,7 +58,6 @@ from benchmarks.gpu_check import link_probe
 from benchmarks.state_offload import BUDGETS_GIB, DRY_MODEL, MODEL, copies_counted
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
-from oocjax.schedule import hybrid
 from oocjax.schedule.chain import Launch
 from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.execute import observe_segments
@@ -312,10 +310,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=480, help="seconds; a run that would start later is skipped")
     parser.add_argument("--reserve", type=float, default=60, help="seconds left for each run, at least")
     parser.add_argument("--jit", default="plain,remat", help="the jax.jit runs, in the order run")
-    parser.add_argument("--moved-rounds", type=int, help="schedule.hybrid.MOVED_ROUNDS for the ooc_jit steps")
     args = parser.parse_args()
-    if args.moved_rounds is not None:
-        hybrid.MOVED_ROUNDS = args.moved_rounds
     began = time.perf_counter()
     model = DRY_MODEL if args.dry_run else MODEL
     device = jax.devices()[0]
@@ -324,7 +319,7 @@ def main() -> None:
     record["env"] = {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_"))}
     if args.commit:
         record["commit"] = args.commit
-    record |= dict(ooc_jit=[], jax_jit=[], skipped=[], moved_rounds=hybrid.MOVED_ROUNDS)
+    record |= dict(ooc_jit=[], jax_jit=[], skipped=[])
     out = Path(args.out) if args.out else None
     if out and out.is_dir():
         out = out / f"state_offload_gpu-{device.device_kind.lower().replace(' ', '-')}-{datetime.date.today()}.json"

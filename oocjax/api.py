@@ -66,7 +66,7 @@ def ooc_jit(
         many segments even when nothing moves; for measuring the executor's overhead);
         ``host_budget`` (host bytes the plan may use, within XLA's pinned pool on GPUs; default: all available);
         ``recompute``: ``"auto"`` (default: keep, move or recompute each value, whichever the
-        device's measured rates say is faster), ``"off"`` (move only: the adaptive window
+        device's published rates say is faster), ``"off"`` (move only: the adaptive window
         planner alone), ``"always"`` (take the recomputing plan whenever it finds values to
         recompute), or a function ``(operation_name, value_label) -> True | False | None`` that
         forces (True) or forbids (False) recomputing a value and leaves the rest (None) to the

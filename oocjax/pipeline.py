@@ -33,7 +33,7 @@ from oocjax.refusals import (
     refuse_tokens_between,
     worst_segment,
 )
-from oocjax.schedule import Program, Schedule, format_bytes, plan_window, required_bytes, validate
+from oocjax.schedule import Program, Schedule, format_bytes, plan_window, required_bytes, simulate_time, validate
 from oocjax.schedule.chain import check_segments
 from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
 from oocjax.schedule.measured import (
@@ -48,7 +48,7 @@ from oocjax.schedule.rewrite import runs_after
 from oocjax.schedule.segments import Segment, SegmentCost, cut_segments
 from oocjax.schedule.simulate import frees_host_state_early
 from oocjax.settled import SettledPlan
-from oocjax.transforms.calibrate import measure_profile
+from oocjax.transforms.calibrate import default_profile
 from oocjax.transforms.compile import compile_segments
 from oocjax.transforms.execute import ChainExecutor
 from oocjax.transforms.flat import FlatProgram
@@ -91,7 +91,7 @@ class StepPlanner:
     """One signature's plans: made, measured and made again, in one loop.
 
     * **Choose** (``schedule.plan_hybrid``): swap only, or recompute and swap, by simulated time
-      with the device's measured rates.
+      with the device kind's published rates (``calibrate.default_profile``).
     * **Compile and measure**: when compiled segments measure over the planned budget, their
       excess becomes scratch of their steps and the program is planned again (``MAX_REPLANS``).
     * **Run and measure** (``after_call``): a call the allocator measured over the user's budget
@@ -205,7 +205,7 @@ class StepPlanner:
         it may use (``host_limit``). Every plan and its chain of segments are checked by the simulator first."""
         options, traced = self.options, self.traced
         traced_layers = layer_runs(traced.flat)
-        profile = self.profile or measure_profile(within_bytes=budget.user_bytes)
+        profile = self.profile or default_profile()  # the device's published rates: one plan everywhere
         choice = _choose(self.program, traced.flat, traced_layers, budget, options, profile)
         program, schedule, rewrite = choice.program, choice.schedule, choice.rewrite
         flat = _flat_of(traced, rewrite)
@@ -215,7 +215,7 @@ class StepPlanner:
         launched: dict[tuple, int] = {}  # what compiled ranges of steps allocate, by their signature
         while True:
             if schedule.moves_nothing and not rewrite.recomputed and options.min_segments <= 1:
-                settled = SettledPlan(choice=choice, program=program, schedule=schedule)
+                settled = SettledPlan(choice=choice, program=program, schedule=schedule, layers=layers)
                 return self._finish(budget, settled), settled
             check_host_peak(program, schedule, self.host_limit, self.local_copies)
             cuts = dict(min_segment_flops=options.min_segment_flops, min_segments=options.min_segments, layers=layers)
@@ -241,12 +241,14 @@ class StepPlanner:
             halved.add((segments[worst].start + segments[worst].stop) // 2)
             try:
                 learnt = with_measured_scratch(program, segments, costs, budget.planned_bytes)
-                program, schedule = learnt, _plan(learnt, budget, options, history, worst_text)
+                program, schedule = learnt, _plan(learnt, budget, options, layers, history, worst_text)
             except OocError:
                 if segments[worst].stop - segments[worst].start <= 1:
                     raise
         measured = dict(segments=segments, costs=tuple(costs), attempts=tuple(m for _, m in history), peak=peak)
-        settled = SettledPlan(choice=choice, program=program, schedule=schedule, **measured)
+        if schedule is not choice.schedule:  # planned again: the plan's time is its own
+            measured["step_time_s"] = simulate_time(program, schedule, profile).step_time_s
+        settled = SettledPlan(choice=choice, program=program, schedule=schedule, layers=layers, **measured)
         return self._finish(budget, settled, programs, functions, flat), settled
 
     def _cut(
@@ -261,7 +263,8 @@ class StepPlanner:
         layer, 7 KB over, was two more programs)."""
         for replan in (True, False):
             segments = cut_segments(program, schedule, **cuts)
-            probes = unfitted_ranges(program, schedule, segments, **cuts)
+            # A profile's plan measures nothing: a probe would only repeat the estimate.
+            probes = {} if self.profile is not None else unfitted_ranges(program, schedule, segments, **cuts)
             if not probes:
                 break
             launches = [cost.launch_bytes for cost in self._compiled(flat, tuple(probes.values()), program, layout)[2]]
@@ -269,7 +272,7 @@ class StepPlanner:
             learnt = with_probed_scratch(program, schedule, tuple(probes.values()), launches, budget.planned_bytes)
             if replan and learnt is not None:
                 try:
-                    program, schedule = learnt, _plan(learnt, budget, self.options, [], "")
+                    program, schedule = learnt, _plan(learnt, budget, self.options, cuts["layers"], [], "")
                     continue
                 except OocError:
                     pass
@@ -303,7 +306,7 @@ class StepPlanner:
         traced, choice, program, schedule = self.traced, settled.choice, settled.program, settled.schedule
         segments, costs, attempts, peak = settled.segments, settled.costs, settled.attempts, settled.peak
         check_host_peak(program, schedule, self.host_limit, self.local_copies)
-        described = _description(traced, choice, schedule, budget, self.profile)
+        described = _description(traced, settled, budget, self.profile)
         if not segments:
             return BuiltStep(Plan.build(program=program, jaxpr=traced.jaxpr, **described), None)
         rewrite = choice.rewrite
@@ -369,11 +372,10 @@ def _copies(flat: FlatProgram) -> tuple[tuple[int, int], ...]:
     return tuple((fe.recompute_of, k) for k, fe in enumerate(flat.equations) if fe.recompute_of is not None)
 
 
-def _description(
-    traced: TracedStep, choice: HybridPlan, schedule: Schedule, budget: Budget, profile: DeviceProfile | None
-) -> dict:
+def _description(traced: TracedStep, settled: SettledPlan, budget: Budget, profile: DeviceProfile | None) -> dict:
     """What a plan says whether or not anything moves (``Plan.build``'s shared keywords), for the
     device at hand or the ``profile`` it was planned for."""
+    choice, schedule = settled.choice, settled.schedule
     kinds = tuple("pinned_host" if b in schedule.host_inputs else "device" for b in range(traced.flat.num_inputs))
     return dict(
         schedule=schedule,
@@ -382,7 +384,7 @@ def _description(
         headroom_bytes=budget.headroom_bytes,
         in_core_program=traced.program,
         rewrite=choice.rewrite if choice.rewrite.recomputed else None,
-        step_time_s=choice.step_time_s,
+        step_time_s=choice.step_time_s if settled.step_time_s is None else settled.step_time_s,
         in_core_time_s=choice.in_core_time_s,
         swap_only_time_s=choice.swap_only_time_s,
         recomputed_by_block=choice.by_block and bool(choice.rewrite.recomputed),
@@ -391,6 +393,7 @@ def _description(
         device=jax.local_devices()[0].device_kind if profile is None else profile.name,
         compiled=profile is None,
         mesh="" if traced.layout is None else traced.layout.mesh,
+        layers=settled.layers,
     )
 
 
@@ -408,7 +411,7 @@ def _choose(
     program: Program, flat: FlatProgram, runs: Sequence, budget: Budget, options: PlannerOptions, profile: DeviceProfile
 ) -> HybridPlan:
     """The first plan of a budget: swap only, or recompute and swap (``schedule.plan_hybrid``), timed
-    with ``profile``'s rates (the device's, measured once per process, or the profile planned for).
+    with ``profile``'s rates (the device kind's published ones, or the profile planned for).
     Swap-only plans are timed too: the plan says how fast either would run."""
     backward = [a for a, _, kind in runs if kind.startswith("transpose")]
     blocks = tuple((a, y) for a, y, kind in runs if backward and not kind.startswith("transpose") and y <= backward[0])
@@ -435,10 +438,10 @@ def _planner(program: Program, budget_bytes: int, **window: Any) -> Schedule:
     return plan_window(program, budget_bytes, **window)  # looked up when called: tests replace it
 
 
-def _plan(program: Program, budget: Budget, options: PlannerOptions, history: list, worst: str) -> Schedule:
+def _plan(program: Program, budget: Budget, options: PlannerOptions, layers, history: list, worst: str) -> Schedule:
     """A plan made again after the compiled segments measured over the budget."""
     try:
-        schedule = plan_window(program, budget.planned_bytes, **options.window)
+        schedule = plan_window(program, budget.planned_bytes, **options.window, layers=[(a, y) for a, y, _ in layers])
     except BudgetInfeasibleError as error:  # with what the compiled segments measured, the budget is too small
         message = over_budget_message(budget.planned_bytes, history, error.required_bytes) + worst
         raise error.with_message(message) from error

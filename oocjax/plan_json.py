@@ -51,6 +51,7 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
             "segment_costs": [asdict(cost) for cost in plan.segment_costs],
             "input_kinds": list(plan.input_kinds),
             "headroom_bytes": plan.headroom_bytes,
+            "layers": [list(run) for run in plan.layers],
         }
     return json.dumps(saved, indent=1)
 
@@ -85,6 +86,7 @@ def loads(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
         segment_costs=tuple(SegmentCost(**cost) for cost in data.get("segment_costs", ())),
         input_kinds=tuple(data.get("input_kinds", ())),
         headroom_bytes=data.get("headroom_bytes", 0),
+        layers=tuple(tuple(run) for run in data.get("layers", ())),
     )
     # The saved program holds the copies, but what they recompute came from the planner's rewrite,
     # and the in-core peak from the step as traced: neither is saved, so both are restored as saved.
@@ -105,6 +107,7 @@ def _schedule(schedule: Schedule) -> dict:
     return asdict(schedule) | {
         "host_inputs": sorted(schedule.host_inputs),
         "host_outputs": sorted(schedule.host_outputs),
+        "segment_starts": sorted(schedule.segment_starts),
         "moves": [{type(m).__name__.lower(): asdict(m)} for m in schedule.moves],
     }
 
@@ -129,5 +132,6 @@ def _read_schedule(saved: dict) -> Schedule:
         budget_bytes=saved["budget_bytes"],
         host_inputs=frozenset(saved["host_inputs"]),
         host_outputs=frozenset(saved["host_outputs"]),
+        segment_starts=frozenset(saved.get("segment_starts", ())),
         moves=tuple(kinds[kind](**fields) for move in saved["moves"] for kind, fields in move.items()),
     )

@@ -26,6 +26,9 @@ class SettledPlan:
       costs: per segment, its compiled program's own memory.
       attempts: the executed peak measured for each plan made, in order.
       peak: the chain's executed peak from those measurements (0 without segments).
+      layers: ``(start, stop, kind)`` per run of a layer's steps in ``program`` (``transforms.layers``).
+      step_time_s: the simulated step time of ``schedule`` on ``program``, with the rates the
+        choice was made with (the choice's own where it was not planned again).
     """
 
     choice: HybridPlan
@@ -35,3 +38,5 @@ class SettledPlan:
     costs: tuple[SegmentCost, ...] = ()
     attempts: tuple[int, ...] = ()
     peak: int = 0
+    layers: tuple[tuple[int, int, str], ...] = ()
+    step_time_s: float | None = None

@@ -183,19 +183,18 @@ def test_each_layers_update_runs_the_program_of_the_layer_before_it_and_trains_a
 # ones (10 s more of CI for no other path). The plain decoder's plan keeps the bottom layer's input
 # for its backward pass: nothing to donate.
 @pytest.mark.parametrize("way", ["linen_named", "nnx"])
-def test_the_bottom_layer_donating_its_input_runs_the_program_of_the_layers_above_it(way, monkeypatch):
+def test_the_bottom_layer_donating_its_input_runs_the_program_of_the_layers_above_it(way):
     """Where the plan recomputes the bottom layer's input (an embedding lookup) rather than keep
-    it, the bottom layer's segment donates it while the layers above keep theirs: alike equations,
-    other donation. They run one compiled program where it fits the budget there, not two (planned
-    with the published CPU rates, as measured rates move the plan)."""
-    from oocjax import ooc_jit, pipeline
-    from oocjax.schedule.profiles import resolve_profile
+    it (the selector's plan, taken first under ``recompute="always"``), the bottom layer's segment
+    donates it while the layers above keep theirs: alike equations, other donation. They run one
+    compiled program where it fits the budget there, not two (planned with the published CPU
+    rates, as every plan is)."""
+    from oocjax import ooc_jit
     from oocjax.transforms.segment import segment_key
 
-    monkeypatch.setattr(pipeline, "measure_profile", lambda *args, **kwargs: resolve_profile("cpu"))
     step, state, batch = decoder_case(way, DEPTH)
     budget = int(ooc_jit(step, budget=2**62).plan(state, batch).baseline_peak_bytes * 0.3)
-    wrapped = ooc_jit(step, budget=budget, donate_argnums=0, min_offload_bytes=4096)
+    wrapped = ooc_jit(step, budget=budget, donate_argnums=0, min_offload_bytes=4096, recompute="always")
     plan = wrapped.plan(state, batch)
 
     (planner,) = wrapped._planners.values()
@@ -209,38 +208,23 @@ def test_the_bottom_layer_donating_its_input_runs_the_program_of_the_layers_abov
     assert plan.executed_peak_bytes <= budget
 
 
-# Rates measured on this project's 2-core CPU under which the by-block plan wins: it too must run
-# alike layers alike (the bottom backward layer was cut in two where the update's optimizer state
-# began to come back, and its own bias gradient alone was recomputed).
-MEASURED_CPU = dict(flops_per_s=1.36e11, hbm_bytes_per_s=3.64e10, h2d_bytes_per_s=1.03e10, d2h_bytes_per_s=9.69e9)
-
-
-@pytest.mark.parametrize(
-    "way, rates", [("linen_auto", None), ("linen_named", None), ("nnx", None), ("linen_auto", MEASURED_CPU)]
-)
-def test_the_backward_layers_run_one_program_the_top_and_bottom_ones_included(way, rates, monkeypatch):
-    """Backward layers alike run one compiled program each, and so do the updates: the selector's
-    choices are made alike in them (a bias gradient recomputed for the updates of two of four
-    backward layers left those two with programs of their own); the top one, whose program
-    measured 7 KB over the budget with what the plan held when it starts, is planned around
-    rather than cut in two; and the bottom one's copy of the embedding output, recomputed for it,
-    runs before it rather than inside it (with the published CPU rates, as measured rates move
-    the plan; and with rates under which every block is recomputed). The step still trains as
-    ``jax.jit``'s."""
-    import dataclasses
-
+@pytest.mark.parametrize("way", ["linen_auto", "linen_named", "nnx"])
+def test_the_backward_layers_run_one_program_the_top_and_bottom_ones_included(way, monkeypatch):
+    """Backward layers alike run one compiled program each, and so do the updates, whichever way the
+    plan recomputes: the selector's choices are made alike in them (a bias gradient recomputed for
+    the updates of two of four backward layers left those two with programs of their own); the top
+    one, whose program measured 7 KB over the budget with what the plan held when it starts, is
+    planned around rather than cut in two; and the bottom one's copy of the embedding output,
+    recomputed for it, runs before it rather than inside it. The step still trains as ``jax.jit``'s."""
     from oocjax import ooc_jit, pipeline
-    from oocjax.schedule.profiles import resolve_profile
 
-    profile = dataclasses.replace(resolve_profile("cpu"), **(rates or {}))
-    monkeypatch.setattr(pipeline, "measure_profile", lambda *args, **kwargs: profile)
     found, runs_after = [], pipeline.runs_after  # the layers as the plan's program has them
     monkeypatch.setattr(pipeline, "runs_after", lambda *args: found.append(runs_after(*args)) or found[-1])
     step, state, batch = decoder_case(way, DEPTH)
     budget = int(ooc_jit(step, budget=2**62).plan(state, batch).baseline_peak_bytes * 0.3)
     wrapped = ooc_jit(step, budget=budget, donate_argnums=0, min_offload_bytes=4096)
     plan = wrapped.plan(state, batch)
-    assert plan.recomputed_by_block == (rates is not None)
+    assert plan.recomputed
 
     (planner,) = wrapped._planners.values()
     ranges = [(s.start, s.stop) for s in plan.segments]

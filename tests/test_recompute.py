@@ -24,9 +24,8 @@ from oocjax.schedule import (
 )
 from oocjax.schedule.bounds import pressure_bound
 from oocjax.schedule.in_core import in_core_bytes
-from oocjax.schedule.moves import Offload, Prefetch, Schedule
 from oocjax.schedule.recompute import choose_recompute
-from oocjax.schedule.rewrite import Rewrite, compose, hoisted, recompute_program, runs_after
+from oocjax.schedule.rewrite import Rewrite, hoisted, recompute_program, runs_after
 from oocjax.schedule.synthetic import layered_training_step
 from tests.programs import MiB, mlp_chain, programs
 
@@ -153,39 +152,6 @@ def test_a_recomputed_value_is_dropped_across_its_gap(request):
         i = gaps.index(max(gaps))
         _, end = new.unmoved_spans[t]
         assert end == position[touches[i]]
-
-
-@given(rewrite_requests(), st.data())
-def test_a_rewrite_of_a_rewrite_composed_is_a_valid_rewrite_of_the_original(request, data):
-    # The second round may drop and recompute the first round's copies: each still binds its
-    # original step and holds its original value.
-    program, targets, recomputable, across = request
-    first = recompute_program(program, targets, recomputable=recomputable, across=across)
-    again = data.draw(st.lists(st.integers(0, len(first.program.buffers) - 1), max_size=8))
-    copyable = lambda k: recomputable(first.origin_step[k])  # noqa: E731
-    both = compose(first, recompute_program(first.program, again, recomputable=copyable))
-    check_rewrite(program, both, recomputable)
-    assert set(first.recomputed) <= set(both.recomputed)
-
-
-def test_a_value_the_plan_moves_is_recomputed_instead_where_that_costs_less_than_the_round_trip():
-    # a (8 MiB) is moved across big's step; f, which makes it from the argument x, costs nothing.
-    sizes = {"x": MiB, "a": 8 * MiB, "b": 1, "t": 64 * MiB, "y": 1}
-    ops = [("f", ["x"], ["a"]), ("g", ["a"], ["b"]), ("big", ["b"], ["t"]), ("k", ["t", "a", "x"], ["y"])]
-    moves = (Offload(buffer=1, after_step=1, done_before_step=2), Prefetch(buffer=1, issue_step=2, use_step=3))
-    schedule = Schedule(strategy="window", budget_bytes=80 * MiB, moves=moves)
-    profile = resolve_profile("h200")
-    cheap = Program.from_ops(ops, sizes, inputs=["x"], outputs=["y"])
-    assert selector.cheaper_than_moving(cheap, schedule, recomputable=lambda s: True, profile=profile) == [1]
-    assert selector.cheaper_than_moving(cheap, schedule, recomputable=lambda s: s != 0, profile=profile) == []
-    costly = Program.from_ops(ops, sizes, inputs=["x"], outputs=["y"], flops={0: 10**15})
-    assert selector.cheaper_than_moving(costly, schedule, recomputable=lambda s: True, profile=profile) == []
-    # A value the copy reads that is gone by then (m, read only by f) is recomputed with it.
-    with_mean = [("mean", ["x"], ["m"]), ("f", ["x", "m"], ["a"]), *ops[1:]]
-    chain = Program.from_ops(with_mean, {"m": 1, **sizes}, inputs=["x"], outputs=["y"])
-    moves = (Offload(buffer=2, after_step=2, done_before_step=3), Prefetch(buffer=2, issue_step=3, use_step=4))
-    schedule = Schedule(strategy="window", budget_bytes=80 * MiB, moves=moves)
-    assert selector.cheaper_than_moving(chain, schedule, recomputable=lambda s: True, profile=profile) == [2, 0]
 
 
 @given(programs(), st.floats(0.0, 1.0))

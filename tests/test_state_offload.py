@@ -16,8 +16,8 @@ from benchmarks.state_offload import copies_counted
 from examples import decoders
 from examples.decoders import WAYS
 from examples.models import Transformer, next_token_step
-from oocjax import ooc_jit, pipeline, to_host
-from oocjax.schedule import DeviceProfile, hybrid, window
+from oocjax import ooc_jit, to_host
+from oocjax.schedule import DeviceProfile, ranges
 from oocjax.schedule.chain import Prefetch, chain_of
 from oocjax.transforms.execute import observe_segments
 
@@ -64,14 +64,12 @@ MEASURED_CPU = DeviceProfile(
 
 
 @functools.cache
-def estimated_plan(*, moved_rounds: int, reordered: bool):
+def estimated_plan(*, reordered: bool):
     """The GPT's plan at a third of its state, planned for ``MEASURED_CPU``'s rates: each segment's
-    cost estimated, nothing compiled. ``moved_rounds``: the rounds that recompute moved values again
-    (``hybrid.MOVED_ROUNDS``); ``reordered``: the optimizer's updates moved next to their gradients
-    (``reorder_tail``), or left in the traced order. Made once for the tests that compare such plans."""
+    cost estimated, nothing compiled. ``reordered``: the optimizer's updates moved next to their
+    gradients (``reorder_tail``), or left in the traced order. Made once for the tests that compare such plans."""
     step, state, tokens = gpt_case()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(hybrid, "MOVED_ROUNDS", moved_rounds)
         if not reordered:
             patch.setattr(trace_module, "reorder_tail", lambda flat, donated, budget_bytes: flat)
         ooc = ooc_jit(step, budget=state_bytes(state) // 3, donate_argnums=(0,), min_offload_bytes=4096)
@@ -79,10 +77,7 @@ def estimated_plan(*, moved_rounds: int, reordered: bool):
 
 
 @pytest.mark.slow  # 13 s here
-def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_it(monkeypatch):
-    # With the rounds that recompute moved values again (off by default; the other state tests plan
-    # without them): copies of copies must bind their original equations and compute the same.
-    monkeypatch.setattr(hybrid, "MOVED_ROUNDS", 2)
+def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_it():
     step, state, tokens = gpt_case()
     budget = state_bytes(state) // 3
     ooc = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096)
@@ -100,24 +95,11 @@ def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_i
             losses.append(loss)
     np.testing.assert_allclose(losses, expected, rtol=2e-5)
     assert moved == {"device": 2 * plan.timeline.h2d_bytes, "pinned_host": 2 * plan.timeline.d2h_bytes}
-    assert any(b.label.startswith("recompute of recompute of") for b in plan.program.buffers)  # both rounds ran
-
-
-def test_values_a_plan_would_move_are_recomputed_again_where_that_is_cheaper_so_less_moves(monkeypatch):
-    # Compared as chosen: the segments' estimated scratch, fed back, then plans each again, and on
-    # this GPT that moved 33 KB more with the rounds than without (16.86 against 16.83 MB).
-    chosen, choose = [], pipeline._choose
-    monkeypatch.setattr(pipeline, "_choose", lambda *args: chosen.append(choose(*args)) or chosen[-1])
-    again = estimated_plan(moved_rounds=2, reordered=True)
-    estimated_plan(moved_rounds=0, reordered=True)
-    moved = [choice.schedule.moved_bytes(choice.program) for choice in chosen]
-    assert len(moved) == 2 and moved[0] < moved[1]
-    assert any(b.label.startswith("recompute of recompute of") for b in again.program.buffers)
 
 
 def test_updates_moved_next_to_their_gradients_move_less_than_the_traced_order():
-    early = estimated_plan(moved_rounds=hybrid.MOVED_ROUNDS, reordered=True)  # the planner's default rounds
-    traced = estimated_plan(moved_rounds=hybrid.MOVED_ROUNDS, reordered=False)
+    early = estimated_plan(reordered=True)
+    traced = estimated_plan(reordered=False)
     assert early.timeline.h2d_bytes < traced.timeline.h2d_bytes
     assert early.timeline.d2h_bytes <= traced.timeline.d2h_bytes
 
@@ -166,7 +148,7 @@ def test_an_init_whose_results_exceed_the_budget_copies_in_ranges_with_far_fewer
     key = jax.random.key(0)
     budget = state_bytes(jax.eval_shape(init, key)) // 3
     ranged = ooc_jit(init, budget=budget, min_offload_bytes=4096).plan(key)
-    monkeypatch.setattr(window, "RANGE_SHARES", ())  # the step-by-step plan alone
+    monkeypatch.setattr(ranges, "RANGE_SHARES", ())  # the step-by-step plan alone
     step_by_step = ooc_jit(init, budget=budget, min_offload_bytes=4096).plan(key)
     assert ranged.schedule.strategy == "window in ranges" and ranged.executed_peak_bytes <= budget
     assert 2 * len(ranged.segments) < len(step_by_step.segments), (len(ranged.segments), len(step_by_step.segments))

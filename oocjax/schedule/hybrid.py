@@ -8,13 +8,14 @@ Up to three candidates are planned for one budget:
   planner moves what still does not fit;
 * **by block**, where the step's layers are known: every block's insides recomputed for its
   backward pass, its input kept (``schedule.blocks``: per-block remat), the selector's picks on
-  top of that, and the window planner moves what still does not fit.
+  top of that, and the window planner moves what still does not fit;
+* **by half-block**: the same with each block's narrowest point in its middle kept too, so that
+  the second half is recomputed for its own backward pass without the first (a transformer
+  block's attention is then recomputed only when its backward comes, not held through the MLP's).
 
-Then, under ``"auto"`` and where ``MOVED_ROUNDS`` allows (off by default: see there), what the
-chosen plan still moves is recomputed instead where a copy costs less than the round trip
-(``recompute.cheaper_than_moving``), in rounds on top of it: a value recomputed with its block for
-the backward pass is held until its last read there, and the planner moves it across the peak in
-between; the next round drops that copy and computes it again where it is read.
+The window planner plans each step by step and, where the layers are known or the state is larger
+than the budget, in ranges of steps (``schedule.ranges``) that never cross a layer's bounds, so
+that a plan's copies and segments follow the layers.
 
 All are timed with the same device profile (``simulate_time``); a recomputing plan is taken only
 when it is faster, or as fast and moving less (PoocH's rule: recompute where recomputing costs less than
@@ -36,8 +37,8 @@ from oocjax.schedule.cost import simulate_time
 from oocjax.schedule.moves import Schedule
 from oocjax.schedule.profiles import DeviceProfile
 from oocjax.schedule.program import Program
-from oocjax.schedule.recompute import cheaper_than_moving, choices_alike, choose_recompute
-from oocjax.schedule.rewrite import Rewrite, compose, hoisted, identity_rewrite, recompute_program
+from oocjax.schedule.recompute import choices_alike, choose_recompute
+from oocjax.schedule.rewrite import Rewrite, hoisted, identity_rewrite, recompute_program, runs_after
 from oocjax.schedule.units import MiB
 from oocjax.schedule.window import plan_window
 
@@ -110,7 +111,7 @@ def plan_hybrid(
     window = dict(window_bytes=window_bytes, min_offload_bytes=min_offload_bytes)
     swap, infeasible = None, None  # swap only: the window planner on the program as traced
     try:
-        swap = planner(program, budget_bytes, **window)
+        swap = planner(program, budget_bytes, **window, layers=tuple(layers or blocks))
     except BudgetInfeasibleError as error:
         infeasible = error
     swap_time = None if swap is None else simulate_time(program, swap, profile).step_time_s
@@ -124,14 +125,15 @@ def plan_hybrid(
         # Per-block remat (which recomputes more), then the selector's picks, where those alone move.
         if blocks and recompute == "auto" and not any(c.schedule.moves_nothing for c in candidates):
             by_block = dict.fromkeys(block_targets(program, blocks, backward_start), backward_start)
-            rewrites = [(choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True)]
+            halves = dict.fromkeys(block_targets(program, blocks, backward_start, midpoint=True), backward_start)
+            rewrites = [
+                (choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True),
+                (recompute_program(program, halves, recomputable=recomputable, across=halves), True),
+            ]
             candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike, runs)
     if not candidates:
         raise infeasible
     chosen = _chosen(candidates, recompute, swap, budget_bytes)
-    if recompute == "auto":  # then what it still moves, recomputed where that is cheaper
-        rounds = _recompute_moved(chosen, planner, budget_bytes, window, profile, recomputable, layers or blocks)
-        chosen = _steadiest([chosen, *rounds], budget_bytes)
     plan = dict(rewrite=chosen.rewrite, schedule=chosen.schedule, step_time_s=chosen.time_s, by_block=chosen.by_block)
     in_core = simulate_time(program, keep_all(program), profile).step_time_s
     return HybridPlan(**plan, in_core_time_s=in_core, swap_only=swap, swap_only_time_s=swap_time)
@@ -211,54 +213,6 @@ def _steadiest(candidates: list[_Candidate], budget_bytes: int) -> _Candidate:
     return chosen
 
 
-# Rounds of recomputing what a plan moves. A chain recomputed together is held until its last read,
-# so the first round can move as much as before (a LayerNorm recomputed for its weight gradients is
-# held to its own backward), and the second drops those copies and computes them again where they
-# are read: on the 1.34B GPT at 4 GiB, 8.6 GiB fewer moved a step (a third round: 0.5 GiB more).
-# Off by default: on an H200 that plan ran at 2.55x jax.jit's step in its process (847 ms; without
-# the rounds 2.83x, 936 ms, in another process), copying what it planned, but the device's peak
-# reached 5.25e9 bytes against the budget's 4.29e9 while the executor's own account stayed at
-# 3.95e9; the cause is not found (state_offload_gpu-nvidia-h200-2026-11-28b.json).
-# Set it to 2 to try them; none run where what they could save is under MOVED_SHARE of the moves.
-MOVED_ROUNDS = 0
-MOVED_SHARE = 0.02
-
-
-def _recompute_moved(
-    chosen: _Candidate,
-    planner: Callable,
-    budget_bytes: int,
-    window: dict,
-    profile,
-    recomputable: Callable[[int], bool],
-    runs: Sequence,
-) -> list[_Candidate]:
-    """Plans in which the values ``chosen`` moves are recomputed instead, where that costs less than
-    moving them out and back (``recompute.cheaper_than_moving``), in rounds on each other."""
-    rounds, current = [], chosen
-    for _ in range(MOVED_ROUNDS):
-        rewritten = current.rewrite
-
-        def copyable(k: int, origin=rewritten.origin_step) -> bool:
-            return recomputable(origin[k])
-
-        rules = dict(recomputable=copyable, profile=profile)
-        targets = cheaper_than_moving(rewritten.program, current.schedule, **rules)
-        buffers = rewritten.program.buffers
-        if sum(buffers[b].nbytes for b in targets) < MOVED_SHARE * chosen.moved_bytes:
-            break
-        again = recompute_program(rewritten.program, targets, recomputable=copyable)
-        if not again.recomputed:
-            break
-        rewrite, schedule = _hoisted_plan(planner, compose(rewritten, again), budget_bytes, window, runs)
-        if schedule is None:
-            break
-        time = simulate_time(rewrite.program, schedule, profile).step_time_s
-        current = _Candidate(rewrite, schedule, time, current.by_block)
-        rounds.append(current)
-    return rounds
-
-
 def _apply_policy(
     program: Program, recompute: RecomputeMode | RecomputePolicy, recomputable: Callable[[int], bool]
 ) -> tuple[list[int], Callable[[int], bool]]:
@@ -290,14 +244,19 @@ def _hoisted_plan(
     (``rewrite.hoisted``, ``runs``: the original program's layers) and its plan; as it is where
     that does not fit; None for the plan where neither does."""
     moved = hoisted(rewrite, runs)
-    schedule = _plan_or_none(planner, moved, budget_bytes, window)
+    schedule = _plan_or_none(planner, moved, budget_bytes, window, runs)
     if schedule is None and moved is not rewrite:
-        return rewrite, _plan_or_none(planner, rewrite, budget_bytes, window)
+        return rewrite, _plan_or_none(planner, rewrite, budget_bytes, window, runs)
     return moved, schedule
 
 
-def _plan_or_none(planner: Callable, rewrite: Rewrite, budget_bytes: int, window: dict) -> Schedule | None:
+def _plan_or_none(
+    planner: Callable, rewrite: Rewrite, budget_bytes: int, window: dict, runs: Sequence
+) -> Schedule | None:
+    """The plan of ``rewrite``'s program, with its layers (``runs``, of the original program, as
+    they lie in the rewritten one), or None where it does not fit."""
+    layers = tuple((a, y) for a, y, _ in runs_after(rewrite, [(a, y, "") for a, y, *_ in runs]))
     try:
-        return planner(rewrite.program, budget_bytes, **window)
+        return planner(rewrite.program, budget_bytes, **window, layers=layers)
     except BudgetInfeasibleError:
         return None  # the rewrite lengthened some value's life past what a step can hold

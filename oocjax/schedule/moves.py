@@ -58,6 +58,8 @@ class Schedule:
       host_inputs: inputs that live in host memory between steps (pinned host).
       host_outputs: outputs returned in host memory.
       moves: offloads and prefetches, ordered by the step at which they start.
+      segment_starts: steps the plan was made to start segments at: where a plan in ranges
+        planned each range as one step (``schedule.ranges``), its segments are those ranges.
     """
 
     strategy: str
@@ -65,6 +67,7 @@ class Schedule:
     host_inputs: frozenset[int] = frozenset()
     host_outputs: frozenset[int] = frozenset()
     moves: tuple[Move, ...] = ()
+    segment_starts: frozenset[int] = frozenset()
 
     @cached_property
     def offloads(self) -> tuple[Offload, ...]:

@@ -50,7 +50,6 @@ from typing import NamedTuple
 from oocjax.schedule._gc import gc_paused
 from oocjax.schedule.feasibility import required_bytes
 from oocjax.schedule.in_core import in_core_bytes
-from oocjax.schedule.moves import Offload, Schedule
 from oocjax.schedule.profiles import DEFAULT_PROFILE, DeviceProfile, resolve_profile
 from oocjax.schedule.program import Program, Step
 from oocjax.schedule.rewrite import Recomputable, Rewrite, Skipped, identity_rewrite, recompute_program
@@ -169,53 +168,6 @@ def _greedy(
     chosen = next((t for t in trials if _fits_as_well(t, device, budget_bytes, floor_fits, min_offload_bytes)), chosen)
     kept = set(chosen.recomputed)  # a chain member of a rejected class may join a later one
     return replace(chosen, skipped=(*chosen.skipped, *(s for s in skipped if s.buffer not in kept)))
-
-
-def cheaper_than_moving(
-    program: Program, schedule: Schedule, *, recomputable: Recomputable, profile: DeviceProfile, most: int = 8
-) -> list[int]:
-    """The values ``schedule`` moves that cost less to recompute than to move out and back, with
-    the values their copies need that would otherwise be gone (at most ``most`` a value, each
-    recomputable): targets for ``rewrite.recompute_program`` on ``program``, each split at its
-    longest gap. A copy's other inputs must be read at or after that gap anyway (a parameter or a
-    checkpoint the late reads bring back), so recomputing extends no other value's life. This
-    catches what the pressure selector cannot see: a value recomputed for the backward pass whose
-    copy is held across a later peak (a LayerNorm's output, read again by its weight gradients)."""
-    uses, steps, buffers = program.uses, program.steps, program.buffers
-    moved = dict.fromkeys(m.buffer for m in schedule.moves if isinstance(m, Offload))
-    targets: dict[int, None] = {}
-    for b in moved:
-        reads, defined = uses.read_at[b], uses.defined_at[b]
-        if buffers[b].kind != "computed" or buffers[b].is_output or not reads or not recomputable(defined):
-            continue
-        touches = (defined, *reads)
-        late = max(range(1, len(touches)), key=lambda i: touches[i] - touches[i - 1])
-        chain = _needed_for_copy(program, b, touches[late], recomputable, most)
-        if chain is None:
-            continue
-        seconds = sum(profile.compute_seconds(steps[uses.defined_at[v]]) for v in (b, *chain))
-        if seconds < profile.h2d_seconds(buffers[b].nbytes) + profile.d2h_seconds(buffers[b].nbytes):
-            targets.update(dict.fromkeys((b, *chain)))
-    return list(targets)
-
-
-def _needed_for_copy(program: Program, b: int, late: int, recomputable: Recomputable, most: int) -> list[int] | None:
-    """The computed values a copy of ``b`` made at step ``late`` reads, directly or through each
-    other, that are not read at or after ``late`` (so they must be recomputed too); None where one
-    of them may not be, or there are more than ``most``."""
-    uses, steps, buffers = program.uses, program.steps, program.buffers
-    chain: list[int] = []
-    todo = list(steps[uses.defined_at[b]].reads)
-    while todo:
-        r = todo.pop()
-        reads = uses.read_at[r]
-        if r == b or r in chain or buffers[r].kind != "computed" or (reads and reads[-1] >= late):
-            continue
-        if len(chain) == most or buffers[r].is_output or not recomputable(uses.defined_at[r]):
-            return None
-        chain.append(r)
-        todo += steps[uses.defined_at[r]].reads
-    return chain
 
 
 def _pressure_points(device: Sequence[int], budget: int, most: int = 8) -> list[int]:

@@ -313,31 +313,6 @@ def _copy_label(label: str, b: int) -> str:
     return f"recompute of {label or f'buffer {b}'}"
 
 
-def compose(first: Rewrite, second: Rewrite) -> Rewrite:
-    """``second`` (a rewrite of ``first.program``) as one rewrite of ``first``'s original program:
-    its steps and buffers map back through both, a copy of either is a copy, and a value either
-    recomputed is recomputed. So a value may be recomputed more than once (a copy dropped and
-    computed again), each copy binding the original equation."""
-    origin_step = tuple(first.origin_step[s] for s in second.origin_step)
-    first_copies = set(first.copied_steps)
-    copied = set(second.copied_steps)
-    copied.update(i for i, s in enumerate(second.origin_step) if s in first_copies)
-    recomputed = {*first.recomputed, *(first.origin_buffer[b] for b in second.recomputed)}
-    skipped = (*first.skipped, *(replace(x, buffer=first.origin_buffer[x.buffer]) for x in second.skipped))
-    skipped = tuple(x for x in skipped if x.buffer not in recomputed)  # recomputed in the other round
-    return Rewrite(
-        program=second.program,
-        origin_step=origin_step,
-        origin_buffer=tuple(first.origin_buffer[b] for b in second.origin_buffer),
-        copied_steps=tuple(sorted(copied)),
-        recomputed=tuple(sorted(recomputed)),
-        skipped=skipped,
-        extra_flops=first.extra_flops + second.extra_flops,
-        peak_bytes_before=first.peak_bytes_before,
-        peak_bytes=second.peak_bytes,
-    )
-
-
 def runs_after(rewrite: Rewrite, runs: Sequence[tuple[int, int, str]]) -> tuple[tuple[int, int, str], ...]:
     """Runs ``(start, stop, kind)`` of the original program's steps (``transforms.layers``) as runs of
     the rewritten one: each from just after the original step before its first, so that the copies

@@ -381,7 +381,7 @@ def _bounds(
     """The steps segments must start at (the step count last), and those no merge may remove."""
     n = len(program.steps)
     groups = layer_groups(program, layers, min_flops)
-    cuts = {0, *(schedule.copy_steps - deferred_prefetches(schedule, groups))}
+    cuts = {0, *(schedule.copy_steps - deferred_prefetches(schedule, groups)), *schedule.segment_starts}
     if min_segments > 1:
         cuts |= {n * i // min_segments for i in range(min_segments)}
     hard = frozenset(cut_before) | {bound for group in groups for bound in group}

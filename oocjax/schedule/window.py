@@ -34,17 +34,17 @@ from __future__ import annotations
 import functools
 from bisect import bisect_right
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from oocjax.errors import BudgetInfeasibleError
 from oocjax.schedule._gc import gc_paused
 from oocjax.schedule.baselines import keep_all
 from oocjax.schedule.feasibility import check_feasible
 from oocjax.schedule.homes import resident_candidates, settle_homes
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.program import Program, held_for_whole_step
-from oocjax.schedule.ranges import plan_in_ranges
+from oocjax.schedule.ranges import cheapest_in_ranges
 from oocjax.schedule.simulate import simulate
 from oocjax.schedule.units import MiB, format_bytes
 
@@ -67,6 +67,7 @@ def plan_window(
     *,
     window_bytes: int | None = None,
     min_offload_bytes: int = MiB,
+    layers: Sequence[tuple[int, int]] = (),
 ) -> Schedule:
     """Plans offloads and prefetches so that device memory stays within ``budget_bytes``.
 
@@ -75,6 +76,8 @@ def plan_window(
       budget_bytes: device bytes the step may use at any time.
       window_bytes: bytes of distinct buffers the look-ahead may cover; default 1.5x the budget.
       min_offload_bytes: buffers smaller than this never move.
+      layers: the steps ``(start, stop)`` of each run of a layer: a range planned as one step
+        never crosses where one begins or ends.
 
     Returns:
       A schedule that keeps everything on the device when that fits, else the window plan.
@@ -99,28 +102,8 @@ def plan_window(
         step_by_step = _plan_steps(program, budget_bytes, window, min_offload_bytes)
         if program.state_bytes <= budget_bytes:
             return step_by_step
-        plans = [step_by_step]
         plan = functools.partial(_plan_checked, window=window, min_offload_bytes=min_offload_bytes)
-        for share in RANGE_SHARES:
-            try:
-                plans.append(plan_in_ranges(program, budget_bytes, share, plan))
-            except (BudgetInfeasibleError, ValueError):  # a range alone over the budget or the window
-                continue
-        return _cheapest(program, plans)
-
-
-# Where the state is larger than the budget, the step is also planned in ranges that each
-# fit these shares of the budget (``schedule.ranges``), and the plan taken is the one that moves
-# fewest bytes with each boundary charged as BOUNDARY_BYTES: measured on an H200, the executor
-# cost about 1.3 ms per segment (segment_profile-nvidia-h200-2026-11-26.json), the time its link
-# moves 70 MB in (54 GB/s each way, gpu-nvidia-h200-2026-11-26b.json).
-RANGE_SHARES = (0.2, 0.3, 0.4, 0.5)
-BOUNDARY_BYTES = 70 * 10**6
-
-
-def _cheapest(program: Program, plans: list[Schedule]) -> Schedule:
-    """The plan whose copies (each way: half of both) and boundaries cost the least link time."""
-    return min(plans, key=lambda plan: plan.moved_bytes(program) // 2 + len(plan.copy_steps) * BOUNDARY_BYTES)
+        return cheapest_in_ranges(program, budget_bytes, plan, step_by_step, layers)
 
 
 def _plan_checked(program: Program, budget_bytes: int, window: int, min_offload_bytes: int) -> Schedule:
