@@ -1,10 +1,12 @@
 """Simulated schedule quality: every model x budget x strategy x device profile, on the CPU.
 
-For each GPU-sized model of ``benchmarks.models.gpu_suite`` (traced abstractly: nothing is
-allocated), budgets go down from the in-core peak by factors of sqrt(2) to 1/8 of it and below,
-until no schedule can fit. Each strategy is planned (the window planner) or applied (the fixed
-baselines, which take no budget: they fit or they do not) and timed by ``simulate_time`` on an
-H100 PCIe and a GH200 profile. Per cell: whether it fits, step time / in-core time, step time /
+For each GPU-sized model of ``benchmarks.models.gpu_suite`` (traced abstractly through
+``ooc_jit(...).plan(..., profile=...)`` at a budget nothing exceeds: nothing is allocated or
+compiled, and the plan's program is the step as ``ooc_jit`` traces it), budgets go down from the
+in-core peak by factors of sqrt(2) to 1/8 of it and below, until no schedule can fit. Each
+strategy is planned (the window planner) or applied (the fixed baselines, which take no budget:
+they fit or they do not) and timed by ``simulate_time`` on an H100 PCIe and a GH200 profile
+(in-core: the plan's ``in_core_time_s`` on each). Per cell: whether it fits, step time / in-core time, step time /
 lower bound, bytes each way. Per model, strategy and profile: the largest in-core-to-budget ratio
 whose step time stays within 1.25x of in-core.
 
@@ -21,6 +23,11 @@ import sys
 import time
 from pathlib import Path
 
+if __package__ in (None, ""):  # run as ``python benchmarks/simulated.py``: put the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks._machine import machine
+from benchmarks.models import gpu_suite
+from oocjax import ooc_jit
 from oocjax.schedule import (
     fixed_lookahead,
     format_bytes,
@@ -28,23 +35,22 @@ from oocjax.schedule import (
     plan_window,
     required_bytes,
     simulate,
+    simulate_time,
     swap_all_just_in_time,
 )
-from oocjax.schedule.cost import simulate_time
-from oocjax.transforms.trace import trace_step
-
-if __package__ in (None, ""):  # run as ``python benchmarks/simulated.py``: put the repository root on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks._machine import machine
-from benchmarks.models import gpu_suite
 
 PROFILES = ("h100-pcie", "gh200")
 STRATEGIES = ("window", "swap_all_just_in_time", "fixed_lookahead_4", "keep_all")
 WITHIN = 1.25  # "close to in-core speed"
+AMPLE = 2**62  # a budget nothing exceeds: the plan moves nothing, and its program is the step as traced
 
 
-def program_of(workload):
-    return trace_step(workload.step, workload.state, workload.batch, donate_argnums=(0,)).program
+def in_core_plans(workload) -> dict:
+    """Per profile, the step planned in core by ``ooc_jit`` for it (traced once, nothing compiled):
+    its ``program`` is the step as ``ooc_jit`` traces it (the batch marked held by the caller: no
+    strategy moves it), its ``in_core_time_s`` the in-core step simulated on that profile."""
+    step = ooc_jit(workload.step, budget=AMPLE, donate_argnums=(0,))
+    return {p: step.plan(workload.state, workload.batch, profile=p) for p in PROFILES}
 
 
 def budgets(in_core: int, smallest: int) -> list[tuple[float, int]]:
@@ -61,7 +67,8 @@ def budgets(in_core: int, smallest: int) -> list[tuple[float, int]]:
 
 def run_model(workload) -> dict:
     started = time.perf_counter()
-    program = program_of(workload)
+    plans = in_core_plans(workload)
+    program = plans[PROFILES[0]].program
     in_core = simulate(program, keep_all(program)).peak_bytes
     smallest = max(required_bytes(program))
     fixed = {
@@ -70,7 +77,7 @@ def run_model(workload) -> dict:
         "keep_all": keep_all(program),
     }
     fixed_peaks = {name: simulate(program, s).peak_bytes for name, s in fixed.items()}
-    in_core_time = {p: simulate_time(program, fixed["keep_all"], p).step_time_s for p in PROFILES}
+    in_core_time = {p: plan.in_core_time_s for p, plan in plans.items()}
     cells = []
     for fraction, budget in budgets(in_core, smallest):
         window = plan_window(program, budget) if budget >= smallest else None
