@@ -7,28 +7,33 @@ run (``results/gpu-nvidia-h200-2026-11-26-headroom.json``: 7.72 GiB). It is not 
 running ``gpu_check.py`` on the GPU.
 
 1. **Trace** the step abstractly on this CPU (``jax.eval_shape`` state, ``jax.ShapeDtypeStruct``
-   batch; nothing of the model's size is allocated) with ``trace_step(..., donate_argnums=(0,))``,
-   as ``ooc_jit`` traces it.
+   batch; nothing of the model's size is allocated) through ``ooc_jit(step, budget=2**62,
+   donate_argnums=(0,)).plan(state, batch, profile="h200")``: at a budget nothing exceeds, nothing
+   moves, and the plan's program is the step as ``ooc_jit`` traces it.
 2. **Calibrate** an H200 profile: ``PROFILES["h200"]`` with the link set to the measured jitted
    1 GiB rates of that run (53.6 GB/s device-to-host, 53.9 GB/s host-to-device) and a per-copy
    latency per direction fitted (latency + bytes / bandwidth, least squares on relative time) to
    eager ``jax.device_put`` figures measured on an H200 (``EAGER_GB_PER_S``, 1 MiB to 1 GiB: about 0.2 ms); then
-   ``flops_per_s`` and ``hbm_bytes_per_s`` scaled by one common factor so that ``simulate_time`` of
-   the in-core program (``keep_all``) equals ``jax.jit``'s measured step time (0.092 s).
-3. **Plan** at the measured budget less the GPU headroom (``pipeline.DEFAULT_HEADROOM["gpu"]``: the
-   planner plans for 0.92 of it) with ``plan_hybrid`` and ``recompute="off"`` and ``"auto"``
-   (``recomputable=recomputable_steps(traced.flat)``), ``min_offload_bytes`` 1 MiB as ``ooc_jit``'s
-   default. Per row: bytes moved (h2d + d2h of ``simulate``), simulated step time and its ratio to
-   ``jax.jit``'s measured time, values recomputed, extra FLOPs, the pressure bound of the row's
-   program (``schedule.pressure_bound``: what any swap-only plan of it must move, and its time
-   floor), and the planning wall time (best of ``--repeats``).
+   ``flops_per_s`` and ``hbm_bytes_per_s`` scaled by one common factor so that the in-core step
+   (the plan's ``in_core_time_s``) simulates in ``jax.jit``'s measured step time (0.092 s).
+3. **Plan** at the measured budget with ``ooc_jit(step, budget=..., donate_argnums=(0,),
+   recompute=mode, min_offload_bytes=...).plan(state, batch, profile=calibrated)`` for ``mode``
+   "off" and "auto": the GPU's defaults (8% headroom: the planner plans for 0.92 of the budget;
+   the smallest segment), the segments cut and each one's memory estimated, as ``ooc_jit`` plans
+   for that device; ``min_offload_bytes`` 1 MiB as ``ooc_jit``'s default. Per row: bytes moved,
+   the step time of the plan's final schedule simulated on that profile and its ratio to
+   ``jax.jit``'s measured time (where the segments' estimates had the entry plan again, the
+   plan's own ``step_time_s`` is still its first choice's: kept as ``plan_step_time_s``), values
+   recomputed, extra FLOPs, the pressure bound of the plan's program (``schedule.pressure_bound``:
+   what any swap-only plan of it must move, and its time floor), and the planning wall time
+   (trace, plan, cut and estimate; best of ``--repeats``).
 4. **Cross-checks** against the H200 run: the "off" row against ``ooc_jit``'s measured 1.27 s and
    60.8 GiB moved (the ratios are the model's error), and the in-core simulation of the same step
    under ``jax.checkpoint(nothing_saveable)`` against its measured 0.120 s (the model's price of
    recomputation). Sensitivity rows replan with other calibrations (no per-operation overhead;
    the eager fit's bandwidth; no copy latency).
 
-    python benchmarks/hybrid_gpu_model.py   # ~1-2 min on a 2-core CPU: results/hybrid_gpu_model-h200-<date>.json
+    python benchmarks/hybrid_gpu_model.py   # ~1 min on a 2-core CPU: results/hybrid_gpu_model-h200-<date>.json
     python benchmarks/hybrid_gpu_model.py --layers 2 --width 128 --seq 128 --budget-of-in-core 0.3 \\
         --min-offload 16384 --out /tmp  # smoke (< 30 s): another model, so no cross-check against the GPU run
 
@@ -63,11 +68,8 @@ if __package__ in (None, ""):  # run as ``python benchmarks/hybrid_gpu_model.py`
 from benchmarks import models
 from benchmarks._machine import machine
 from benchmarks.gpu_check import GPU_MODEL
-from oocjax.pipeline import DEFAULT_HEADROOM
+from oocjax import Plan, ooc_jit
 from oocjax.schedule import PROFILES, DeviceProfile, MiB, keep_all, pressure_bound, simulate, simulate_time
-from oocjax.schedule.hybrid import plan_hybrid
-from oocjax.transforms.recompute import recomputable_steps
-from oocjax.transforms.trace import trace_step
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "results" / "gpu-nvidia-h200-2026-11-26-headroom.json"
@@ -79,10 +81,16 @@ EAGER_GB_PER_S = {
 }
 TARGET_VS_JAX_JIT = 1.3  # the issue's acceptance line, on the GPU
 MODES = ("off", "auto")
+AMPLE = 2**62  # a budget nothing exceeds: the plan moves nothing, and its program is the step as traced
 LABEL = (
     "MODEL, NOT A MEASUREMENT: the cost model (oocjax.schedule.simulate_time) calibrated to the committed H200 "
     "run, on a step traced on this machine's CPU; not a substitute for running benchmarks/gpu_check.py on the GPU"
 )
+
+
+def traced(step, state, batch) -> Plan:
+    """The step as ``ooc_jit`` traces it, planned in core for the H200 (nothing moves, nothing is compiled)."""
+    return ooc_jit(step, budget=AMPLE, donate_argnums=(0,)).plan(state, batch, profile=PROFILES["h200"])
 
 
 # -- calibration --------------------------------------------------------------------------------------
@@ -106,15 +114,17 @@ def fit_link(points: dict[int, float]) -> dict:
     )
 
 
-def scale_to(program, profile: DeviceProfile, target_s: float) -> tuple[DeviceProfile, float]:
+def scale_to(in_core: Plan, profile: DeviceProfile, target_s: float) -> tuple[DeviceProfile, float]:
     """``profile`` with ``flops_per_s`` and ``hbm_bytes_per_s`` multiplied by one factor such that
-    the in-core program simulates in ``target_s``; the factor. Per step the compute time is
-    max(flops / F, bytes / M) + overhead, so scaling both rates by f divides the rate part by f."""
-    overhead = len(program.steps) * profile.op_overhead_s
-    rated = simulate_time(program, keep_all(program), profile).step_time_s - overhead
+    the in-core step simulates in ``target_s``; the factor. ``in_core`` is the step planned in core
+    with ``PROFILES["h200"]``'s rates. Per step the compute time is max(flops / F, bytes / M) +
+    overhead, so scaling both rates by f divides the rate part by f."""
+    steps, start = len(in_core.program.steps), PROFILES["h200"]
+    rated = in_core.in_core_time_s - steps * start.op_overhead_s
+    overhead = steps * profile.op_overhead_s
     if target_s <= overhead:
         raise SystemExit(
-            f"the per-operation overhead alone ({overhead:.3f} s for {len(program.steps)} steps) is over the "
+            f"the per-operation overhead alone ({overhead:.3f} s for {steps} steps) is over the "
             f"measured step time {target_s:.3f} s: no rate scaling can match it"
         )
     factor = rated / (target_s - overhead)
@@ -124,7 +134,7 @@ def scale_to(program, profile: DeviceProfile, target_s: float) -> tuple[DevicePr
     return scaled, factor
 
 
-def calibrated(program, measured: dict, *, op_overhead_s: float | None = None, link: str = "jitted") -> dict:
+def calibrated(in_core: Plan, measured: dict, *, op_overhead_s: float | None = None, link: str = "jitted") -> dict:
     """The calibrated H200 profile and how it was made. ``link``: "jitted" (the measured 1 GiB
     bandwidth with the eager fit's latency), "eager" (the eager fit's bandwidth and latency), or
     "no-latency" (the jitted bandwidth, the profile's own 10 us copy latency)."""
@@ -144,7 +154,7 @@ def calibrated(program, measured: dict, *, op_overhead_s: float | None = None, l
         h2d_latency_s=latency["h2d"],
         op_overhead_s=start.op_overhead_s if op_overhead_s is None else op_overhead_s,
     )
-    profile, factor = scale_to(program, profile, measured["jax_jit_s"])
+    profile, factor = scale_to(in_core, profile, measured["jax_jit_s"])
     profile = replace(
         profile,
         source=(
@@ -196,17 +206,26 @@ def read_measured(path: Path) -> dict:
 # -- planning ---------------------------------------------------------------------------------------------
 
 
-def best_of(repeats: int, fn) -> tuple[float, object]:
-    best, result = math.inf, None
-    for _ in range(repeats):
-        started = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - started)
-    return best, result
+def planners(work, budget: int, profile: DeviceProfile, min_offload: int, repeats: int) -> tuple[dict, dict]:
+    """Per mode, the step wrapped by ``ooc_jit`` at ``budget`` and planned for ``profile`` (the
+    wrapper keeps its trace and that plan: planning it for another profile traces nothing), and
+    the best wall time of ``repeats`` fresh wrappers' first ``plan`` (trace, plan, cut and estimate)."""
+    steps, seconds = {}, {}
+    for mode in MODES:
+        seconds[mode] = math.inf
+        for _ in range(repeats):
+            step = ooc_jit(work.step, budget=budget, donate_argnums=(0,), recompute=mode, min_offload_bytes=min_offload)
+            started = time.perf_counter()
+            step.plan(work.state, work.batch, profile=profile)
+            seconds[mode] = min(seconds[mode], time.perf_counter() - started)
+            steps[mode] = step
+    return steps, seconds
 
 
-def bound_record(program, budget: int, profile: DeviceProfile, min_offload: int, jit_s: float) -> dict:
-    bound = pressure_bound(program, budget, profile=profile, min_offload_bytes=min_offload)
+def bound_record(plan: Plan, profile: DeviceProfile, min_offload: int, jit_s: float) -> dict:
+    bound = pressure_bound(
+        plan.program, plan.budget_bytes - plan.headroom_bytes, profile=profile, min_offload_bytes=min_offload
+    )
     return dict(
         moved_bytes=bound.moved_bytes,
         step=bound.step,
@@ -216,64 +235,60 @@ def bound_record(program, budget: int, profile: DeviceProfile, min_offload: int,
     )
 
 
-def plan_row(traced, mode: str, budget: int, profile: DeviceProfile, *, min_offload: int, jit_s: float, repeats: int):
-    """``plan_hybrid`` of the traced step in one mode, simulated with ``profile``."""
-    program = traced.program
-    recomputable = recomputable_steps(traced.flat).__getitem__
-    plan_s, choice = best_of(
-        repeats,
-        lambda: plan_hybrid(
-            program, budget, recomputable=recomputable, profile=profile, recompute=mode, min_offload_bytes=min_offload
-        ),
-    )
-    timeline = simulate(choice.program, choice.schedule)
-    timed = simulate_time(choice.program, choice.schedule, profile)
-    flops = sum(s.flops for s in program.steps)
-    rewrite = choice.rewrite
+def plan_row(step, work, in_core: Plan, mode: str, profile: DeviceProfile, *, min_offload: int, jit_s: float):
+    """The plan of ``step`` (``ooc_jit`` in one mode) for ``profile``, and what it says. Its step time
+    is its final schedule's, simulated on ``profile``: where the segments' estimates had the entry plan
+    again, ``plan.step_time_s`` is still that of its first choice (``plan_step_time_s``)."""
+    plan = step.plan(work.state, work.batch, profile=profile)
+    timed = simulate_time(plan.program, plan.schedule, profile)
+    flops = sum(s.flops for s in in_core.program.steps)
     return dict(
         recompute=mode,
-        chosen="hybrid" if rewrite.recomputed else "swap-only",
-        moved_bytes=timeline.h2d_bytes + timeline.d2h_bytes,
-        h2d_bytes=timeline.h2d_bytes,
-        d2h_bytes=timeline.d2h_bytes,
-        offloads=len(choice.schedule.offloads),
-        prefetches=len(choice.schedule.prefetches),
-        host_inputs=len(choice.schedule.host_inputs),
+        chosen="hybrid" if plan.recomputed else "swap-only",
+        moved_bytes=plan.moved_bytes,
+        h2d_bytes=plan.timeline.h2d_bytes,
+        d2h_bytes=plan.timeline.d2h_bytes,
+        offloads=len(plan.offloads),
+        prefetches=len(plan.schedule.prefetches),
+        host_inputs=len(plan.host_inputs),
+        segments=len(plan.segments),
         simulated_s=timed.step_time_s,
         vs_jax_jit=timed.step_time_s / jit_s,
+        # What the plan says: its first choice's time, before its segments' estimates had it planned again.
+        plan_step_time_s=plan.step_time_s,
         compute_s=timed.compute_time_s,
         exposed_transfer_s=timed.exposed_transfer_s,
         lower_bound_s=timed.lower_bound_s,
-        swap_only_simulated_s=choice.swap_only_time_s,
-        recomputed_values=len(rewrite.recomputed),
-        recomputed_bytes=sum(program.buffers[b].nbytes for b in rewrite.recomputed),
-        copied_equations=len(rewrite.copied_steps),
-        extra_flops=rewrite.extra_flops,
-        extra_flops_pct=100 * rewrite.extra_flops / flops,
-        in_core_peak_bytes=rewrite.peak_bytes,
-        planned_peak_bytes=timeline.peak_bytes,
-        pressure_bound=bound_record(choice.program, budget, profile, min_offload, jit_s),
-        selector=selector_record(program, rewrite),
-        plan_s=plan_s,
+        swap_only_simulated_s=plan.swap_only_time_s,
+        in_core_simulated_s=plan.in_core_time_s,
+        recomputed_values=len(plan.recomputed),
+        recomputed_bytes=sum(r.nbytes for r in plan.recomputed),
+        recomputed_by_block=plan.recomputed_by_block,
+        copied_equations=len(plan.program.steps) - len(in_core.program.steps),
+        extra_flops=plan.extra_flops,
+        extra_flops_pct=100 * plan.extra_flops / flops,
+        in_core_peak_bytes=simulate(plan.program, keep_all(plan.program)).peak_bytes,
+        planned_peak_bytes=plan.peak_bytes,
+        pressure_bound=bound_record(plan, profile, min_offload, jit_s),
+        selector=selector_record(plan),
     )
 
 
-def selector_record(program, rewrite) -> dict:
-    """What the recompute selector did: the producers of the values it recomputes, why it left
-    candidates, and where the rewritten program's in-core peak still is."""
-    in_core = simulate(rewrite.program, keep_all(rewrite.program))
-    at = rewrite.program.steps[in_core.peak_step] if in_core.peak_step is not None else None
-    producers = Counter(rewrite.program.steps[s].name for s in rewrite.copied_steps)
+def selector_record(plan: Plan) -> dict:
+    """What the recompute selector did: the producers of the values it recomputes, and where the
+    plan's program (copies included) still peaks in core."""
+    program = plan.program
+    in_core = simulate(program, keep_all(program))
+    at = program.steps[in_core.peak_step] if in_core.peak_step is not None else None
+    producers = Counter(program.steps[r.recomputed_at].name for r in plan.recomputed)
     return dict(
-        in_core_peak_before_bytes=rewrite.peak_bytes_before,
-        in_core_peak_bytes=rewrite.peak_bytes,
-        copied_equations_by_operation=dict(producers.most_common()),
-        skipped=dict(Counter(s.reason for s in rewrite.skipped).most_common()),
+        in_core_peak_bytes=in_core.peak_bytes,
+        recomputed_by_operation=dict(producers.most_common()),
         peak_step=None if at is None else dict(index=in_core.peak_step, operation=at.name, source=at.label),
     )
 
 
-def sensitivity(traced, measured: dict, budget: int, *, min_offload: int) -> list[dict]:
+def sensitivity(steps: dict, work, in_core: Plan, measured: dict, *, min_offload: int) -> list[dict]:
     """Both modes again under other calibrations: how much the answer hangs on them."""
     rows = []
     variants = (
@@ -282,11 +297,11 @@ def sensitivity(traced, measured: dict, budget: int, *, min_offload: int) -> lis
         ("no copy latency (10 us, jitted copies)", dict(link="no-latency")),
     )
     for name, options in variants:
-        cal = calibrated(traced.program, measured, **options)
+        cal = calibrated(in_core, measured, **options)
         row = dict(variant=name, factor=cal["factor"], profile=profile_record(cal["profile"]))
         for mode in MODES:
             r = plan_row(
-                traced, mode, budget, cal["profile"], min_offload=min_offload, jit_s=measured["jax_jit_s"], repeats=1
+                steps[mode], work, in_core, mode, cal["profile"], min_offload=min_offload, jit_s=measured["jax_jit_s"]
             )
             row[mode] = {k: r[k] for k in ("moved_bytes", "simulated_s", "vs_jax_jit", "recomputed_values")}
             row[mode]["extra_flops_pct"] = r["extra_flops_pct"]
@@ -294,22 +309,22 @@ def sensitivity(traced, measured: dict, budget: int, *, min_offload: int) -> lis
     return rows
 
 
-def remat_check(work, plain_program, profile: DeviceProfile, measured: dict) -> dict | None:
+def remat_check(work, in_core: Plan, profile: DeviceProfile, measured: dict) -> dict | None:
     """The same step under ``jax.checkpoint(nothing_saveable)``, in core, by the model against the
     H200's measurement: the model's price of recomputing a whole forward."""
     if measured["remat_nothing_saveable_s"] is None:
         return None
     started = time.perf_counter()
     remat_step = work.make_step(jax.checkpoint_policies.nothing_saveable)
-    program = trace_step(remat_step, work.state, work.batch, donate_argnums=(0,)).program
+    remat = ooc_jit(remat_step, budget=AMPLE, donate_argnums=(0,)).plan(work.state, work.batch, profile=profile)
     trace_s = time.perf_counter() - started
-    simulated_s = simulate_time(program, keep_all(program), profile).step_time_s
-    plain_flops = sum(s.flops for s in plain_program.steps)
-    extra_flops = sum(s.flops for s in program.steps) - plain_flops
+    simulated_s = remat.in_core_time_s
+    plain_flops = sum(s.flops for s in in_core.program.steps)
+    extra_flops = sum(s.flops for s in remat.program.steps) - plain_flops
     measured_extra = measured["remat_nothing_saveable_s"] - measured["jax_jit_s"]
     model_extra = simulated_s - measured["jax_jit_s"]
     return dict(
-        equations=len(program.steps),
+        equations=len(remat.program.steps),
         extra_flops=extra_flops,
         extra_flops_pct=100 * extra_flops / plain_flops,
         simulated_s=simulated_s,
@@ -331,8 +346,9 @@ def _gib(n: float | None) -> str:
 def table(rows: list[dict]) -> str:
     lines = [
         f"{'recompute':<9} {'chosen':<9} {'moved':>7} {'sim s':>7} {'vs jit':>7} {'recomp':>6} {'+flops':>7} "
-        f"{'in-core':>7} {'bound':>7} {'bound s':>7} {'plan s':>6}",
-        f"{'':<9} {'':<9} {'GiB':>7} {'':>7} {'':>7} {'values':>6} {'%':>7} {'GiB':>7} {'GiB':>7} {'':>7} {'':>6}",
+        f"{'in-core':>7} {'bound':>7} {'bound s':>7} {'segs':>5} {'plan s':>6}",
+        f"{'':<9} {'':<9} {'GiB':>7} {'':>7} {'':>7} {'values':>6} {'%':>7} {'GiB':>7} {'GiB':>7} {'':>7} "
+        f"{'':>5} {'':>6}",
     ]
     for r in rows:
         b = r["pressure_bound"]
@@ -340,7 +356,7 @@ def table(rows: list[dict]) -> str:
             f"{r['recompute']:<9} {r['chosen']:<9} {_gib(r['moved_bytes']):>7} {r['simulated_s']:>7.3f} "
             f"{r['vs_jax_jit']:>7.2f} {r['recomputed_values']:>6} {r['extra_flops_pct']:>7.2f} "
             f"{_gib(r['in_core_peak_bytes']):>7} {_gib(b['moved_bytes']):>7} {b['step_time_s']:>7.3f} "
-            f"{r['plan_s']:>6.2f}"
+            f"{r['segments']:>5} {r['plan_s']:>6.2f}"
         )
     return "\n".join(lines)
 
@@ -405,18 +421,23 @@ def main() -> None:
 
     work = models.gpt2(**model, dtype=jnp.float32)
     trace_started = time.perf_counter()
-    traced = trace_step(work.step, work.state, work.batch, donate_argnums=(0,))
+    in_core_plan = traced(work.step, work.state, work.batch)
     trace_s = time.perf_counter() - trace_started
-    program = traced.program
-    in_core = simulate(program, keep_all(program)).peak_bytes
-    cal = calibrated(program, target)
+    program = in_core_plan.program
+    in_core = in_core_plan.baseline_peak_bytes
+    cal = calibrated(in_core_plan, target)
     profile, jit_s = cal["profile"], target["jax_jit_s"]
 
     if args.budget_of_in_core is not None:
         user_budget = int(in_core * args.budget_of_in_core)
     else:
         user_budget = measured["ooc_budget_bytes"]
-    headroom = int(user_budget * DEFAULT_HEADROOM["gpu"])  # as PlannerOptions.read on a GPU
+    steps, plan_s = planners(work, user_budget, profile, args.min_offload, args.repeats)
+    common = dict(min_offload=args.min_offload, jit_s=jit_s)
+    rows = {mode: plan_row(steps[mode], work, in_core_plan, mode, profile, **common) for mode in MODES}
+    for mode in MODES:
+        rows[mode]["plan_s"] = plan_s[mode]
+    headroom = steps["off"].plan(work.state, work.batch, profile=profile).headroom_bytes  # the GPU's default
     budget = user_budget - headroom
     print(
         f"{work.name} (float32, AdamW, state donated): {len(program.steps)} equations, in-core {_gib(in_core)} GiB, "
@@ -424,13 +445,12 @@ def main() -> None:
         f"calibration factor {cal['factor']:.3f}",
         flush=True,
     )
-    common = dict(min_offload=args.min_offload, jit_s=jit_s)
-    rows = {mode: plan_row(traced, mode, budget, profile, **common, repeats=args.repeats) for mode in MODES}
-    in_core_s = simulate_time(program, keep_all(program), profile).step_time_s
+    in_core_s = rows["off"]["in_core_simulated_s"]
     extras = {}
     if not args.no_extras:
-        extras["sensitivity"] = sensitivity(traced, target, budget, min_offload=args.min_offload)
-        extras["remat_nothing_saveable"] = remat_check(work, program, profile, measured) if calibrated_run else None
+        extras["sensitivity"] = sensitivity(steps, work, in_core_plan, target, min_offload=args.min_offload)
+        remat = remat_check(work, in_core_plan, profile, measured) if calibrated_run else None
+        extras["remat_nothing_saveable"] = remat
     failures = checks(rows)
     auto = rows["auto"]
     record = dict(
@@ -450,7 +470,7 @@ def main() -> None:
             in_core_peak_bytes=in_core,
             flops=sum(s.flops for s in program.steps),
             bytes_accessed=sum(s.bytes_accessed for s in program.steps),
-            donated_arguments=sum(traced.donated),
+            donated_arguments=sum(b.donated for b in program.buffers),
         ),
         calibration=dict(
             start=profile_record(cal["start"]),
@@ -464,7 +484,7 @@ def main() -> None:
         ),
         budget=dict(
             user_bytes=user_budget,
-            headroom_fraction=DEFAULT_HEADROOM["gpu"],
+            headroom_fraction=headroom / user_budget,
             headroom_bytes=headroom,
             planned_bytes=budget,
             of_in_core=args.budget_of_in_core,

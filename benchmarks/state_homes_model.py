@@ -7,11 +7,13 @@ The H100 check (``results/gpu-nvidia-h100-80gb-hbm3-2026-11-26.json``) ran ``ooc
 moving 6.12 GiB a step, with 2.7 GiB of its budget unused. This traces the same step abstractly on
 the CPU, calibrates the cost model to that run (``hybrid_gpu_model.calibrated``: its measured link,
 compute rates scaled so that the in-core step simulates in ``jax.jit``'s measured time), and plans
-it with ``recompute="auto"`` at shares of the planned budget of the run (its budget less the GPU
-headroom). Per budget: bytes moved, the state arrays and bytes kept on host, the planned peak, the
-simulated step time and its ratio to ``jax.jit``'s measured one.
+it as ``ooc_jit`` would for that GPU (``ooc_jit(step, budget=...).plan(state, batch,
+profile=calibrated)``: ``recompute="auto"``, the GPU's 8% headroom, the segments cut and each one's
+memory estimated) at shares of the run's budget. Per budget: bytes moved, the state arrays and
+bytes kept on host, the planned peak, the step time of the plan's final schedule simulated on that
+profile and its ratio to ``jax.jit``'s measured one.
 
-    python benchmarks/state_homes_model.py    # ~20 s: results/state_homes_model-<device>-<date>.json
+    python benchmarks/state_homes_model.py    # ~1 min: results/state_homes_model-<device>-<date>.json
 """
 
 from __future__ import annotations
@@ -30,12 +32,9 @@ if __package__ in (None, ""):  # run as ``python benchmarks/state_homes_model.py
 from benchmarks import models
 from benchmarks._machine import machine
 from benchmarks.gpu_check import GPU_MODEL, _slug
-from benchmarks.hybrid_gpu_model import calibrated, read_measured
-from oocjax.pipeline import DEFAULT_HEADROOM
-from oocjax.schedule import MiB, simulate, simulate_time
-from oocjax.schedule.hybrid import plan_hybrid
-from oocjax.transforms.recompute import recomputable_steps
-from oocjax.transforms.trace import trace_step
+from benchmarks.hybrid_gpu_model import calibrated, read_measured, traced
+from oocjax import OocError, ooc_jit
+from oocjax.schedule import MiB, simulate_time
 
 ROOT = Path(__file__).resolve().parent.parent
 MEASURED = ROOT / "benchmarks" / "results" / "gpu-nvidia-h100-80gb-hbm3-2026-11-26.json"
@@ -43,26 +42,31 @@ SHARES = (1.0, 0.97, 0.94, 0.9, 0.8, 0.7)
 LABEL = "MODEL, NOT A MEASUREMENT: the cost model calibrated to the gpu_check run named, on a step traced on a CPU"
 
 
-def row(traced, budget: int, profile, jit_s: float) -> dict:
-    program = traced.program
-    recomputable = recomputable_steps(traced.flat).__getitem__
+def row(work, budget: int, profile, jit_s: float) -> dict:
+    """The plan at ``budget``, or why ``ooc_jit`` refuses it (``refused``: the error's first line)."""
     started = time.perf_counter()
-    plan = plan_hybrid(program, budget, recomputable=recomputable, profile=profile, min_offload_bytes=MiB)
+    step = ooc_jit(work.step, budget=budget, donate_argnums=(0,), min_offload_bytes=MiB)
+    try:
+        plan = step.plan(work.state, work.batch, profile=profile)
+    except OocError as error:
+        return dict(budget_bytes=budget, refused=str(error).split("\n")[0], plan_s=time.perf_counter() - started)
     plan_s = time.perf_counter() - started
-    timeline = simulate(plan.program, plan.schedule)
-    step_s = simulate_time(plan.program, plan.schedule, profile).step_time_s
-    arguments = [b for b, buffer in enumerate(program.buffers) if buffer.kind == "input"]
+    step_s = simulate_time(plan.program, plan.schedule, profile).step_time_s  # its final schedule's
+    arguments = [b for b in plan.program.buffers if b.kind == "input"]
     return dict(
         budget_bytes=budget,
-        moved_bytes=timeline.h2d_bytes + timeline.d2h_bytes,
+        planned_bytes=budget - plan.headroom_bytes,
+        moved_bytes=plan.moved_bytes,
         arguments=len(arguments),
-        arguments_on_host=len(plan.schedule.host_inputs),
-        argument_bytes_on_host=sum(program.buffers[b].nbytes for b in plan.schedule.host_inputs),
-        argument_bytes=sum(program.buffers[b].nbytes for b in arguments),
-        planned_peak_bytes=timeline.peak_bytes,
-        recomputed_values=len(plan.rewrite.recomputed),
+        arguments_on_host=len(plan.host_inputs),
+        argument_bytes_on_host=sum(h.nbytes for h in plan.host_inputs),
+        argument_bytes=sum(b.nbytes for b in arguments),
+        planned_peak_bytes=plan.peak_bytes,
+        recomputed_values=len(plan.recomputed),
+        segments=len(plan.segments),
         simulated_s=step_s,
         vs_jax_jit=step_s / jit_s,
+        plan_step_time_s=plan.step_time_s,  # the plan's first choice, before its segments' estimates
         plan_s=plan_s,
     )
 
@@ -74,16 +78,18 @@ def main() -> None:
     args = parser.parse_args()
     measured = read_measured(Path(args.measured))
     work = models.gpt2(**GPU_MODEL, dtype=jnp.float32)
-    traced = trace_step(work.step, work.state, work.batch, donate_argnums=(0,))
-    cal = calibrated(traced.program, measured)
-    planned = measured["ooc_budget_bytes"] - int(measured["ooc_budget_bytes"] * DEFAULT_HEADROOM["gpu"])
-    rows = [dict(share=s, **row(traced, int(planned * s), cal["profile"], measured["jax_jit_s"])) for s in SHARES]
+    cal = calibrated(traced(work.step, work.state, work.batch), measured)
+    budget = measured["ooc_budget_bytes"]
+    rows = [dict(share=s, **row(work, int(budget * s), cal["profile"], measured["jax_jit_s"])) for s in SHARES]
     for r in rows:
+        if "refused" in r:
+            print(f"{r['share']:.2f} of {budget / 2**30:.2f} GiB: refused: {r['refused']}")
+            continue
         on_host = f"{r['argument_bytes_on_host'] / 2**30:.2f} of {r['argument_bytes'] / 2**30:.2f} GiB"
         print(
-            f"{r['share']:.2f} of {planned / 2**30:.2f} GiB: moves {r['moved_bytes'] / 2**30:.2f} GiB, "
-            f"{r['arguments_on_host']}/{r['arguments']} arguments on host ({on_host}), "
-            f"peak {r['planned_peak_bytes'] / 2**30:.2f} GiB, {r['simulated_s']:.3f} s "
+            f"{r['share']:.2f} of {budget / 2**30:.2f} GiB (planned for {r['planned_bytes'] / 2**30:.2f}): moves "
+            f"{r['moved_bytes'] / 2**30:.2f} GiB, {r['arguments_on_host']}/{r['arguments']} arguments on host "
+            f"({on_host}), peak {r['planned_peak_bytes'] / 2**30:.2f} GiB, {r['simulated_s']:.3f} s "
             f"({r['vs_jax_jit']:.2f}x jax.jit's measured {measured['jax_jit_s']:.3f} s)"
         )
     record = dict(
@@ -94,7 +100,7 @@ def main() -> None:
         jax=jax.__version__,
         measured_reference={k: measured[k] for k in ("file", "device", "commit", "jax_jit_s", "ooc_s", "ooc_plan")},
         measured_moved_bytes=measured["ooc_moved_bytes"],
-        planned_budget_bytes=planned,
+        budget_bytes=budget,
         calibration_factor=cal["factor"],
         rows=rows,
     )
