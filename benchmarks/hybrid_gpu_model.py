@@ -33,7 +33,7 @@ running ``gpu_check.py`` on the GPU.
    recomputation). Sensitivity rows replan with other calibrations (no per-operation overhead;
    the eager fit's bandwidth; no copy latency).
 
-    python benchmarks/hybrid_gpu_model.py   # ~1 min on a 2-core CPU: results/hybrid_gpu_model-h200-<date>.json
+    python benchmarks/hybrid_gpu_model.py   # ~80 s on a 2-core CPU: results/hybrid_gpu_model-h200-<date>.json
     python benchmarks/hybrid_gpu_model.py --layers 2 --width 128 --seq 128 --budget-of-in-core 0.3 \\
         --min-offload 16384 --out /tmp  # smoke (< 30 s): another model, so no cross-check against the GPU run
 

@@ -13,7 +13,7 @@ memory estimated) at shares of the run's budget. Per budget: bytes moved, the st
 bytes kept on host, the planned peak, the step time of the plan's final schedule simulated on that
 profile and its ratio to ``jax.jit``'s measured one.
 
-    python benchmarks/state_homes_model.py    # ~1 min: results/state_homes_model-<device>-<date>.json
+    python benchmarks/state_homes_model.py    # ~50 s on a 2-core CPU: results/state_homes_model-<device>-<date>.json
 """
 
 from __future__ import annotations
