@@ -202,7 +202,7 @@ class OocJitted:
         with self._lock:
             signature = self.arguments.signature(args, kwargs)
             if signature not in self._traces:
-                self._traces[signature] = trace_arguments(self.arguments, args, kwargs, self.budget_bytes)
+                self._traces[signature] = trace_arguments(self.arguments, args, kwargs)
             traced = self._traces[signature]
             if leaves is None:
                 leaves = self.arguments.dynamic_leaves(args, kwargs)

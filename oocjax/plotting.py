@@ -144,6 +144,7 @@ def _name_stacks(plan: Plan) -> list[str] | None:
         return None
     from oocjax.transforms import _compat as jc  # jax only here, only for a traced plan
     from oocjax.transforms.flatten import flatten
+    from oocjax.transforms.reorder import reorder_tail
 
     occurrences: dict[int, list[str]] = {}
 
@@ -155,7 +156,8 @@ def _name_stacks(plan: Plan) -> list[str] | None:
                 walk(getattr(sub, "jaxpr", sub), stack)
 
     walk(plan.source_jaxpr.jaxpr, "")
-    flat = flatten(plan.source_jaxpr)
+    flat = flatten(plan.source_jaxpr)  # in the order the step was planned in (``transforms.reorder``)
+    flat = reorder_tail(flat, [buffer.donated for buffer in plan.program.buffers[: flat.num_inputs]])
     if len(flat.equations) != len(plan.baseline_timeline.device_bytes):
         return None  # not the program this plan's in-core estimate is of: no regions rather than wrong ones
     seen: dict[int, int] = {}

@@ -58,7 +58,7 @@ def _step(loss: Callable, optimizer) -> Callable:
     return step
 
 
-def _tokens(key, shape=(BATCH, SEQ + 1)):
+def _tokens(key, shape):
     return jax.random.randint(key, shape, 0, VOCAB)
 
 
@@ -215,26 +215,26 @@ def _local_global(layers: int, key):
     return loss, params
 
 
-def case(way: str, layers: int, *, seed: int = 0) -> tuple[Callable, Any, Any]:
-    """``(step, state, batch)`` for one of ``WAYS`` with ``layers`` layers."""
+def case(way: str, layers: int, *, seed: int = 0, batch: int = BATCH) -> tuple[Callable, Any, Any]:
+    """``(step, state, batch)`` for one of ``WAYS`` with ``layers`` layers and ``batch`` examples."""
     key, data = jax.random.split(jax.random.key(seed))
     optimizer = optax.adamw(1e-3)
     if way == "equinox":
         loss, params = _equinox(layers, key)
-        batch = _tokens(data)
+        data = _tokens(data, (batch, SEQ + 1))
     elif way == "local_global":
         loss, params = _local_global(layers, key)
-        batch = _tokens(data)
+        data = _tokens(data, (batch, SEQ + 1))
     elif way == "llama":
         model = Llama(layers)
         params = model.init(key, jnp.zeros((1, SEQ), jnp.int32))
-        loss, batch = (lambda p, tokens: _next_token_loss(model.apply(p, tokens[:, :-1]), tokens)), _tokens(data)
+        loss = lambda p, tokens: _next_token_loss(model.apply(p, tokens[:, :-1]), tokens)  # noqa: E731
+        data = _tokens(data, (batch, SEQ + 1))
     elif way == "encoder":
         model = Encoder(layers)
         params = model.init(key, jnp.zeros((1, SEQ), jnp.int32))
-        tokens, labels = _tokens(data, (BATCH, SEQ)), jax.random.randint(key, (BATCH,), 0, CLASSES)
-        batch = (tokens, labels)
+        data = (_tokens(data, (batch, SEQ)), jax.random.randint(key, (batch,), 0, CLASSES))
         loss = lambda p, b: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, b[0]), b[1]).mean()  # noqa: E731
     else:
         raise ValueError(f"unknown way {way!r}; known: {WAYS}")
-    return _step(loss, optimizer), (params, optimizer.init(params)), batch
+    return _step(loss, optimizer), (params, optimizer.init(params)), data

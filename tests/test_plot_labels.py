@@ -150,7 +150,9 @@ def test_the_transformers_plot_names_its_phases_and_no_text_overlaps_or_leaves_t
     assert overlapping(texts) == []
     assert outside(figure, texts) == []
     shown = [text.strip() for text, _ in texts]
-    assert {"forward", "backward", "optimizer"} <= set(shown)
+    # Each update follows its gradient inside the backward: what runs after it (the embedding's
+    # update) is too narrow a span to name, as the head's Dense_0 is.
+    assert {"forward", "backward"} <= set(shown)
     assert {"Block_0", "Block_1", "Block_2", "Block_3"} <= set(shown)
     # The narrow spans (the head's Dense_0, the embedding) go unnamed rather than overlap: their
     # names exist but are not drawn.

@@ -71,7 +71,7 @@ def estimated_plan(*, reordered: bool):
     step, state, tokens = gpt_case()
     with pytest.MonkeyPatch.context() as patch:
         if not reordered:
-            patch.setattr(trace_module, "reorder_tail", lambda flat, donated, budget_bytes: flat)
+            patch.setattr(trace_module, "reorder_tail", lambda flat, donated: flat)
         ooc = ooc_jit(step, budget=state_bytes(state) // 3, donate_argnums=(0,), min_offload_bytes=4096)
         return ooc.plan(state, tokens, profile=MEASURED_CPU)
 

@@ -145,14 +145,27 @@ def plan_in_ranges(
     program: Program,
     budget_bytes: int,
     share: float,
-    plan: Callable[[Program, int], Schedule],
-    bounds: frozenset[int] = frozenset(),
+    plan: Callable[..., Schedule],
+    layers: Sequence[tuple[int, int]] = (),
 ) -> Schedule:
-    """``plan`` (the window planner) run on ranges that each fit ``share`` of the budget alone and
-    cross no step of ``bounds``, its moves put back on the steps."""
-    ranges = ranges_within(program, int(share * budget_bytes), bounds)
+    """``plan`` (the window planner) run on ranges that each fit ``share`` of the budget alone, its
+    moves put back on the steps. Given the steps of ``layers``: ranges inside layers only, each step
+    outside them its own, and ``plan`` told which layer each range belongs to."""
+    layer_of = layer_of_steps(len(program.steps), layers)
+    bounds = {bound for run in layers for bound in run}
+    bounds |= {k + d for k, layer in enumerate(layer_of) if layer < 0 and layers for d in (0, 1)}
+    ranges = ranges_within(program, int(share * budget_bytes), frozenset(bounds))
     coarse, ids = coarse_program(program, ranges)
-    return refined(program, plan(coarse, budget_bytes), ranges, ids)
+    groups = [layer_of[r.start] for r in ranges] if layers else []
+    return refined(program, plan(coarse, budget_bytes, groups), ranges, ids)
+
+
+def layer_of_steps(steps: int, layers: Sequence[tuple[int, int]]) -> list[int]:
+    """Per step, the layer (its position in ``layers``) that runs it, -1 for none."""
+    group = [-1] * steps
+    for i, (a, y) in enumerate(layers):
+        group[a:y] = [i] * (y - a)
+    return group
 
 
 # Where the state is larger than the budget, the step is also planned in ranges that each fit these
@@ -167,18 +180,20 @@ BOUNDARY_BYTES = 70 * 10**6
 def cheapest_in_ranges(
     program: Program,
     budget_bytes: int,
-    plan: Callable[[Program, int], Schedule],
+    plan: Callable[..., Schedule],
     step_by_step: Schedule,
     layers: Sequence[tuple[int, int]] = (),
 ) -> Schedule:
-    """Of ``step_by_step`` and ``plan`` in ranges of each of ``RANGE_SHARES`` of the budget, none
-    crossing the bounds of ``layers``, the plan whose copies (each way: half of both) and
-    boundaries (the segments it starts) cost the least link time."""
-    plans, bounds = [step_by_step], frozenset(bound for run in layers for bound in run)
+    """The plan whose copies (each way: half of both) and boundaries (the segments it starts) cost
+    the least link time, of ``plan`` in ranges of each of ``RANGE_SHARES`` of the budget and of
+    ``step_by_step``. Given the steps of ``layers``, the plan by layer: ranges inside layers only
+    (split where a layer does not fit), each step outside them its own, as planned step by step;
+    ``step_by_step`` only where no such plan fits."""
+    plans = [] if layers else [step_by_step]
     for share in RANGE_SHARES:
         try:
-            plans.append(plan_in_ranges(program, budget_bytes, share, plan, bounds))
+            plans.append(plan_in_ranges(program, budget_bytes, share, plan, layers))
         except (BudgetInfeasibleError, ValueError):  # a range alone over the budget or the window
             continue
     boundaries = lambda s: len(s.copy_steps | s.segment_starts)  # noqa: E731
-    return min(plans, key=lambda s: s.moved_bytes(program) // 2 + boundaries(s) * BOUNDARY_BYTES)
+    return min(plans or [step_by_step], key=lambda s: s.moved_bytes(program) // 2 + boundaries(s) * BOUNDARY_BYTES)

@@ -26,7 +26,9 @@ memory of the input they alias (``schedule.homes``). Where the donated state is 
 budget, inputs fetched again and again are kept on the device from the start where that moves
 fewer bytes (``homes.resident_candidates``). Where the state is (``Program.state_bytes``: an init's
 results count too), the step is also planned in ranges of steps (``schedule.ranges``), taken where
-its fewer stops of the executor cost less than its copies.
+its fewer stops of the executor cost less than its copies; where its layers are known, it is
+planned by layer: each layer's steps in ranges, so that its copies are issued where its segments
+begin and its parameters are fetched once for each range that reads them.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from oocjax.schedule.feasibility import check_feasible
 from oocjax.schedule.homes import resident_candidates, settle_homes
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.program import Program, held_for_whole_step
-from oocjax.schedule.ranges import cheapest_in_ranges
+from oocjax.schedule.ranges import cheapest_in_ranges, layer_of_steps
 from oocjax.schedule.simulate import simulate
 from oocjax.schedule.units import MiB, format_bytes
 
@@ -76,8 +78,8 @@ def plan_window(
       budget_bytes: device bytes the step may use at any time.
       window_bytes: bytes of distinct buffers the look-ahead may cover; default 1.5x the budget.
       min_offload_bytes: buffers smaller than this never move.
-      layers: the steps ``(start, stop)`` of each run of a layer: a range planned as one step
-        never crosses where one begins or ends.
+      layers: the steps ``(start, stop)`` of each run of a layer: given, the step is planned by
+        layer (``ranges.cheapest_in_ranges``), each layer's steps as ranges planned as one step.
 
     Returns:
       A schedule that keeps everything on the device when that fits, else the window plan.
@@ -99,28 +101,34 @@ def plan_window(
             return keep_all(program, budget_bytes=budget_bytes, strategy="window")
         check_feasible(program, budget_bytes, min_offload_bytes)
         _check_window(program, window)
-        step_by_step = _plan_steps(program, budget_bytes, window, min_offload_bytes)
-        if program.state_bytes <= budget_bytes:
+        step_by_step = _plan_steps(
+            program, budget_bytes, window, min_offload_bytes, layer_of_steps(len(program.steps), layers)
+        )
+        if program.state_bytes <= budget_bytes and not layers:
             return step_by_step
         plan = functools.partial(_plan_checked, window=window, min_offload_bytes=min_offload_bytes)
         return cheapest_in_ranges(program, budget_bytes, plan, step_by_step, layers)
 
 
-def _plan_checked(program: Program, budget_bytes: int, window: int, min_offload_bytes: int) -> Schedule:
+def _plan_checked(
+    program: Program, budget_bytes: int, groups: Sequence[int] = (), *, window: int, min_offload_bytes: int
+) -> Schedule:
     check_feasible(program, budget_bytes, min_offload_bytes)
     _check_window(program, window)
-    return _plan_steps(program, budget_bytes, window, min_offload_bytes)
+    return _plan_steps(program, budget_bytes, window, min_offload_bytes, groups)
 
 
-def _plan_steps(program: Program, budget_bytes: int, window: int, min_offload_bytes: int) -> Schedule:
+def _plan_steps(
+    program: Program, budget_bytes: int, window: int, min_offload_bytes: int, groups: Sequence[int] = ()
+) -> Schedule:
     """The window plan, homes settled; where the donated state is larger than the budget, planned
     again with inputs kept on the device (``resident_candidates``), the one that moves fewest
     bytes: the program is the same in each, so the fewest bytes is the shortest link time, and on
-    a tie the plan with nothing kept by choice."""
-    plans = [settle_homes(program, _WindowPlanner(program, budget_bytes, window, min_offload_bytes).plan())]
+    a tie the plan with nothing kept by choice. ``groups``: per step, its layer (-1: none)."""
+    plan = functools.partial(_WindowPlanner, program, budget_bytes, window, min_offload_bytes, groups=groups)
+    plans = [settle_homes(program, plan().plan())]
     for resident in resident_candidates(program, plans[0], budget_bytes, min_offload_bytes):
-        planner = _WindowPlanner(program, budget_bytes, window, min_offload_bytes, resident)
-        plans.append(settle_homes(program, planner.plan()))
+        plans.append(settle_homes(program, plan(resident).plan()))
     return min(plans, key=lambda schedule: schedule.moved_bytes(program))
 
 
@@ -142,7 +150,14 @@ class _WindowPlanner:
     (``backtrack``) and the next starts over."""
 
     def __init__(
-        self, program: Program, budget: int, window: int, min_offload_bytes: int, resident: frozenset[int] = frozenset()
+        self,
+        program: Program,
+        budget: int,
+        window: int,
+        min_offload_bytes: int,
+        resident: frozenset[int] = frozenset(),
+        *,
+        groups: Sequence[int] = (),
     ):
         self.program, self.budget, self.window = program, budget, window
         buffers = program.buffers
@@ -165,6 +180,13 @@ class _WindowPlanner:
         self.access_buffer, self.access_step = access_buffer, access_step
         self.step_end = list(accumulate(len(step.reads) + len(step.writes) for step in program.steps))
         self.next_access = _next_access(access_buffer, len(buffers))
+        # Per access, whether the buffer's next one is in the same layer (``groups``): a copy that a
+        # host copy backs is then held until memory is needed, not dropped and fetched again.
+        group = [*groups, -1] if groups else [-1] * (n + 1)
+        self.same_layer = [
+            nx >= 0 and group[access_step[i]] >= 0 and group[access_step[nx]] == group[access_step[i]]
+            for i, nx in enumerate(self.next_access)
+        ]
         self.stopper = [0] * len(access_buffer)  # access i may not enter the window before step stopper[i]
         self.backtracks = 0
 
@@ -219,6 +241,7 @@ class _PlannedOffload:
     buffer: int
     after_step: int
     done_before_step: int | None = None
+    dropped: bool = False  # a copy held past its reads, which waiting for releases: no move
 
 
 class _Pass:
@@ -350,11 +373,14 @@ class _Pass:
         self.head, self.in_window = head, in_window
 
     def _wait_oldest(self, k: int) -> None:
-        """Waits, before step k, for the oldest offload in flight: its device copy is released."""
-        while True:
-            offload = self.pending.popleft()
-            if self.open_offload.get(offload.buffer) is offload:  # else it was cancelled
-                break
+        """Waits, before step k, for the oldest offload in flight: its device copy is released. A
+        copy held for the rest of its layer goes only where no offload is in flight: it is read
+        again soon, and letting it go costs a fetch."""
+        pending, open_offload = self.pending, self.open_offload
+        while open_offload.get(pending[0].buffer) is not pending[0]:  # cancelled
+            pending.popleft()
+        offload = next((m for m in pending if not m.dropped and open_offload.get(m.buffer) is m), pending[0])
+        pending.remove(offload)
         b = offload.buffer
         del self.open_offload[b]
         offload.done_before_step = k
@@ -401,6 +427,12 @@ class _Pass:
                     state[b] = _CLEARED
             elif pinned[b]:
                 pass
+            elif host_copy[b] and planner.same_layer[i]:  # held for its layer until memory is needed
+                held = _PlannedOffload(buffer=b, after_step=k, dropped=True)
+                self.pending.append(held)
+                self.open_offload[b] = held
+                state[b] = _OUT
+                outgoing += nbytes[b]
             elif host_copy[b]:  # drop the device copy: the host one is still valid
                 device -= nbytes[b]
                 state[b] = _HOST
@@ -422,7 +454,7 @@ class _Pass:
         for m in self.moves:
             if isinstance(m, Prefetch):
                 moves.append(m)
-            elif m.done_before_step is not None:  # else cancelled, or in flight at the end (above)
+            elif m.done_before_step is not None and not m.dropped:  # else cancelled, in flight at the end, or held
                 moves.append(Offload(buffer=m.buffer, after_step=m.after_step, done_before_step=m.done_before_step))
         return Schedule(
             strategy="window",

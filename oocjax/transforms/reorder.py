@@ -1,17 +1,14 @@
 """The traced step's optimizer updates reordered (``schedule.reorder``): applied to the flat
 program before it is analysed, so that everything after (the plan, the segments, the view) sees
-the new order. Each parameter's update goes right after its gradient where the state streams
-through the device (``updates_after_gradients``); else the updates stay after the backward pass,
-grouped by layer (``updates_by_layer``).
-
-Only where it saves traffic: where the state the updates read is larger than the budget, so that
-it streams through the device anyway (a 4x512 GPT planned for an H200 at 0.95 of its state's
-size: 3.0x the floor to the device and 1.3x back in the traced order, 1.6x and 1.05x with the
-updates early). Where the state fits, the traced order lets it wait on host until the backward
-pass has freed its activations: a 4-layer transformer at 30% of its in-core peak moved 1.5 MB
-traced and 3.2 MB with the updates early. And only with the state donated (scalars aside): with
+the new order, whatever the budget. Each parameter's update goes right after its gradient
+(``updates_after_gradients``), so that a layer's backward pass and its update run as one
+segment and its state can stream through the device (a 4x512 GPT planned for an H200 at 0.95 of
+its state's size: 3.0x the floor to the device and 1.3x back in the traced order, 1.6x and 1.05x
+with the updates early; the four-way decoder at 4 layers: 11-12 segments where the updates after
+the backward pass made 15-16, moving as much). Only with the state donated (scalars aside): with
 state the caller keeps, an early update would hold the new parameters and moments beside the old
-ones through the backward pass. Equations with effects (callbacks, prints) keep the traced order.
+ones through the backward pass; there the updates stay after it, grouped by layer
+(``updates_by_layer``). Equations with effects (callbacks, prints) keep the traced order.
 """
 
 from __future__ import annotations
@@ -21,16 +18,15 @@ import math
 from collections.abc import Sequence
 
 from oocjax.schedule.reorder import updates_by_layer, updates_early
-from oocjax.transforms import _compat as jc
 from oocjax.transforms.flat import FlatProgram, dataflow
 from oocjax.transforms.layers import equation_phases, layer_runs
 
 
-def reorder_tail(flat: FlatProgram, donated: Sequence[bool], budget_bytes: int | None) -> FlatProgram:
+def reorder_tail(flat: FlatProgram, donated: Sequence[bool]) -> FlatProgram:
     """``flat`` with its updates after their gradients (``updates_after_gradients``) where that
     applies, else grouped by layer after the backward pass (``updates_by_layer``)."""
     backward = _backward(flat)
-    early = flat if budget_bytes is None else updates_after_gradients(flat, donated, budget_bytes, backward)
+    early = updates_after_gradients(flat, donated, backward)
     return early if early is not flat else updates_by_layer_of(flat, backward)
 
 
@@ -64,10 +60,10 @@ def _in_order(flat: FlatProgram, order: list[int]) -> FlatProgram:
 
 
 def updates_after_gradients(
-    flat: FlatProgram, donated: Sequence[bool], budget_bytes: int, backward: list[int] | None = None
+    flat: FlatProgram, donated: Sequence[bool], backward: list[int] | None = None
 ) -> FlatProgram:
     """``flat`` with its tail (after the backward pass) interleaved with the backward pass, where
-    the state the tail reads is donated and larger than ``budget_bytes``; else ``flat`` itself."""
+    the state the tail reads is donated; else ``flat`` itself."""
     backward = _backward(flat) if backward is None else backward
     if not backward:
         return flat
@@ -76,8 +72,6 @@ def updates_after_gradients(
     arguments = {r for fe in tail for r in fe.inputs if isinstance(r, int) and r < flat.num_inputs}
     state = [b for b in arguments if math.prod(flat.avals[b].shape) > 1]  # not a learning rate passed in
     if not state or not all(donated[b] for b in state) or any(fe.eqn.effects for fe in tail):
-        return flat
-    if sum(jc.nbytes(flat.avals[b]) for b in state) <= budget_bytes:
         return flat
     reads, writes = dataflow(flat)
     return _in_order(flat, updates_early(reads, writes, tail_start, backward_start))

@@ -62,10 +62,9 @@ def trace_step(
     return trace_arguments(spec, args, kwargs)
 
 
-def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict, budget_bytes: int | None = None) -> TracedStep:
+def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict) -> TracedStep:
     """``trace_step`` for arguments already split by an ``ArgumentSpec``, the optimizer's updates
-    grouped by layer; with ``budget_bytes``, they follow their gradients instead where the donated
-    state is larger than it (``transforms.reorder``)."""
+    after their gradients where the state is donated, else grouped by layer (``transforms.reorder``)."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(spec.dynamic(args, kwargs))[0]
     arguments = [x for _, x in paths_leaves]
     check_one_mesh(arguments, [spec.label(path, len(args)) for path, _ in paths_leaves])
@@ -77,7 +76,7 @@ def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict, budget_bytes:
     results = jax.tree_util.tree_flatten_with_path(traced.out_info)[0]
     output_labels = [f"result{jax.tree_util.keystr(path)}" for path, _ in results]
     flat = flatten(traced.jaxpr)
-    flat = reorder_tail(flat, donated, budget_bytes)
+    flat = reorder_tail(flat, donated)
     program = to_program(flat, input_labels=labels, donated=donated, output_labels=output_labels)
     layout = step_layout(flat, arguments) if is_sharded(arguments, flat) else None
     if layout is not None:
