@@ -199,6 +199,9 @@ def section() -> str:
                 f"{_slowdown(half.get('h100-pcie'))} | {_slowdown(half.get('gh200'))} |"
             )
         lines.append("")
+    found = latest("fit_profile-h200")
+    if found:
+        lines += fit_profile_lines(*found)
     for name, r in gpu_suite_runs():
         lines += gpu_suite_lines(name, r)
     found = latest_gpu_checks()
@@ -548,6 +551,31 @@ def _state_offload_gpu_lines(name: str, r: dict) -> list[str]:
     return [
         f"**Training state larger than the device, on a GPU** (`{name}`; {r['device']}, {where(r)}; one process; "
         f"{r['parameters'] / 1e9:.2f}B parameters): {'; '.join(parts)}. {r.get('run_note', '')}".rstrip(),
+        "",
+    ]
+
+
+def fit_profile_lines(name: str, r: dict) -> list[str]:
+    """One paragraph for a ``fit_profile.py`` record: the fitted H200 rates beside the datasheet's, and
+    how the committed steps it was not fitted to compare with their predictions."""
+    fitted, sheet, held = r["proposed_profile"], r["current_profile"], r["held_out"]
+    rebuilt = [p for p in r["predictions"] if p.get("held_out") and p.get("rebuilt") and "predicted_s" in p]
+    ratios = sorted(p["ratio"] for p in r["predictions"] if p.get("held_out") and "predicted_s" in p)
+    return [
+        f"**The H200 profile, fitted** (`{name}`; a model fitted to the committed H200 runs, not a measurement; "
+        f"{where(r)}): compute {fitted['flops_per_s'] / 1e12:.0f} TFLOP/s (datasheet profile "
+        f"{sheet['flops_per_s'] / 1e12:.0f}), memory {fitted['hbm_bytes_per_s'] / 1e12:.1f} TB/s over the jaxpr's "
+        f"unfused bytes ({sheet['hbm_bytes_per_s'] / 1e12:.1f}), {fitted['op_overhead_s'] * 1e6:.2f} us per equation "
+        f"({sheet['op_overhead_s'] * 1e6:.0f}) and {fitted['launch_s'] * 1e3:.2f} ms per program launch (no field), "
+        f"fitted to 23 segment programs and one whole step; the link {fitted['h2d_bytes_per_s'] / 1e9:.1f} / "
+        f"{fitted['d2h_bytes_per_s'] / 1e9:.1f} GB/s to the device / back after "
+        f"{fitted['h2d_latency_s'] * 1e3:.2f} / {fitted['d2h_latency_s'] * 1e3:.2f} ms "
+        f"({sheet['h2d_bytes_per_s'] / 1e9:.0f} / {sheet['d2h_bytes_per_s'] / 1e9:.0f} GB/s), "
+        f"{fitted['both_bytes_per_s'] / 1e9:.1f} GB/s both ways at once (no field). Of the {held['runs']} committed "
+        f"steps it was not fitted to, {held['within']} are predicted within 25% (predicted / measured "
+        f"{ratios[0]:.2f}-{ratios[-1]:.2f}); {len(rebuilt)} of them in core or with the plan that ran ("
+        f"{held['rebuilt_within']} within 25%), the others with the plan made at their commit or now, which differs "
+        "from the one that ran (each row says why). The profile in `oocjax/schedule/profiles.py` is unchanged.",
         "",
     ]
 
