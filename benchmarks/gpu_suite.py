@@ -33,7 +33,7 @@ for unified (managed) memory: it refuses to start with ``TF_FORCE_UNIFIED_MEMORY
 fraction above 1.
 
     python benchmarks/gpu_suite.py --out "$OUT"      # on a GPU: gpu_suite-<device>-<date>.json there
-    python benchmarks/gpu_suite.py --dry-run         # anywhere: tiny sizes on the CPU, every part, < 60 s
+    python benchmarks/gpu_suite.py --dry-run         # anywhere: tiny sizes on the CPU, every part, 31-69 s
 
 The dry run (part of the test suite) checks the script: no memory statistics on a CPU, ``ooc_jit``'s
 budget at half its plan's in-core estimate, and its timings mean nothing.

@@ -18,7 +18,7 @@ def git_head() -> str:
     return done.stdout.strip() if done.returncode == 0 and (ROOT / ".git").exists() else "unknown"
 
 
-@pytest.mark.slow  # 31-57 s on 2 CPU cores shared with other work
+@pytest.mark.slow  # 31-69 s on 2 CPU cores shared with other work
 def test_the_suite_dry_run_runs_every_part_and_sets_each_step_beside_its_h200_plan(tmp_path):
     from benchmarks import gpu_suite, report
 
