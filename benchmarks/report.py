@@ -200,6 +200,11 @@ def section() -> str:
                 f"{_slowdown(half.get('h100-pcie'))} | {_slowdown(half.get('gh200'))} |"
             )
         lines.append("")
+    found = latest("fit_profile-h200")
+    if found:
+        lines += fit_profile_lines(*found)
+    for name, r in gpu_suite_runs():
+        lines += gpu_suite_lines(name, r)
     found = latest_gpu_checks()
     for record in found:
         lines += [*gpu_check_lines(*record), ""]
@@ -222,6 +227,7 @@ def table() -> str:
         if found:
             rows.append(_with_moves_row(*found))
     rows += [_state_offload_gpu_row(name, r) for name, r in state_offload_gpu_runs() if r["jax_jit"]]
+    rows += [row for name, r in gpu_suite_runs() for row in gpu_suite_rows(name, r)]
     found = latest("first_call")
     if found:
         rows += _first_call_rows(*found)
@@ -237,8 +243,15 @@ def table() -> str:
     )
 
 
+# Recompute by block (ffd56f8, 2026-11-27 08:43 UTC) changed what ooc_jit plans: a row measured before it
+# says so. By date: every results file dated 2026-11-26 or earlier predates it, every later one follows it.
+BY_BLOCK_SINCE = "2026-11-27"
+
+
 def _row(what: str, name: str, r: dict, ooc: str, remat: str = "-") -> str:
     machine = r.get("device") or r["machine"]
+    if r["date"] < BY_BLOCK_SINCE:
+        what += "; before recompute by block"
     return f"| {what} | {machine} | {r['commit'] or 'unknown'}, {r['date']} | {ooc} | {remat} | `{name}` |"
 
 
@@ -556,6 +569,153 @@ def _state_offload_gpu_lines(name: str, r: dict) -> list[str]:
         f"{r['parameters'] / 1e9:.2f}B parameters): {'; '.join(parts)}. {r.get('run_note', '')}".rstrip(),
         "",
     ]
+
+
+def fit_profile_lines(name: str, r: dict) -> list[str]:
+    """One paragraph for a ``fit_profile.py`` record: the fitted H200 rates beside the datasheet's, and
+    how the committed steps it was not fitted to compare with their predictions."""
+    fitted, sheet, held = r["proposed_profile"], r["current_profile"], r["held_out"]
+    rebuilt = [p for p in r["predictions"] if p.get("held_out") and p.get("rebuilt") and "predicted_s" in p]
+    ratios = sorted(p["ratio"] for p in r["predictions"] if p.get("held_out") and "predicted_s" in p)
+    return [
+        f"**The H200 profile, fitted** (`{name}`; a model fitted to the committed H200 runs, not a measurement; "
+        f"{where(r)}): compute {fitted['flops_per_s'] / 1e12:.0f} TFLOP/s (datasheet profile "
+        f"{sheet['flops_per_s'] / 1e12:.0f}), memory {fitted['hbm_bytes_per_s'] / 1e12:.1f} TB/s over the jaxpr's "
+        f"unfused bytes ({sheet['hbm_bytes_per_s'] / 1e12:.1f}), {fitted['op_overhead_s'] * 1e6:.2f} us per equation "
+        f"({sheet['op_overhead_s'] * 1e6:.0f}) and {fitted['launch_s'] * 1e3:.2f} ms per program launch (no field), "
+        f"fitted to 23 segment programs and one whole step; the link {fitted['h2d_bytes_per_s'] / 1e9:.1f} / "
+        f"{fitted['d2h_bytes_per_s'] / 1e9:.1f} GB/s to the device / back after "
+        f"{fitted['h2d_latency_s'] * 1e3:.2f} / {fitted['d2h_latency_s'] * 1e3:.2f} ms "
+        f"({sheet['h2d_bytes_per_s'] / 1e9:.0f} / {sheet['d2h_bytes_per_s'] / 1e9:.0f} GB/s), "
+        f"{fitted['both_bytes_per_s'] / 1e9:.1f} GB/s both ways at once (no field). Of the {held['runs']} committed "
+        f"steps it was not fitted to, {held['within']} are predicted within 25% (predicted / measured "
+        f"{ratios[0]:.2f}-{ratios[-1]:.2f}); {len(rebuilt)} of them in core or with the plan that ran ("
+        f"{held['rebuilt_within']} within 25%), the others with the plan made at their commit or now, which differs "
+        "from the one that ran (each row says why). The profile in `oocjax/schedule/profiles.py` is unchanged.",
+        "",
+    ]
+
+
+def gpu_suite_runs() -> list[tuple[str, dict]]:
+    """The ``gpu_suite.py`` records in results/, oldest first; a dry run (written elsewhere) is left out."""
+    records = [(f.name, json.loads(f.read_text())) for f in sorted(RESULTS.glob("gpu_suite-*.json"))]
+    return [(n, r) for n, r in records if r.get("benchmark") == "gpu_suite" and not r.get("dry_run")]
+
+
+SUITE_ROWS = (  # gpu_suite part, row, how the table names it
+    ("activation_gpt", "jax_jit", "`jax.jit`"),
+    ("activation_gpt", "ooc_jit", "`ooc_jit` at 7.72 GiB"),
+    ("activation_gpt", "remat", "per-block `nn.remat`, `nothing_saveable`"),
+    ("activation_gpt", "ooc_jit_at_remat_peak", "`ooc_jit` at remat's peak"),
+    ("activation_gpt", "back_to_back", "the 7.72 GiB chain's programs back to back"),
+    ("state_gpt", "jax_jit", "`jax.jit`, state in device memory"),
+    ("state_gpt", "remat", "per-block `nn.remat`, state in device memory"),
+    ("state_gpt", "ooc_jit_4", "`ooc_jit` at 4 GiB, state on host"),
+    ("state_gpt", "ooc_jit_14", "`ooc_jit` at 14 GiB, state on host"),
+)
+
+
+def _suite_rows(r: dict) -> dict[tuple[str, str], dict]:
+    """A suite record's measured rows by (part, row name), as ``gpu_suite.measured_rows`` names them."""
+    rows = {}
+    for part in r["parts"]:
+        found = part.get("record") or {}
+        rows |= {(part["part"], name): row for name, row in (found.get("rows") or {}).items()}
+        rows |= {(part["part"], f"ooc_jit_{row['gib']:g}"): row for row in found.get("ooc_jit") or [] if "gib" in row}
+        rows |= {(part["part"], "remat" if row["remat"] else "jax_jit"): row for row in found.get("jax_jit") or []}
+    return rows
+
+
+def gpu_suite_lines(name: str, r: dict) -> list[str]:
+    """docs/measurements.md's paragraph for one ``gpu_suite.py`` record: a sentence, a table of every
+    measured step beside its H200 plan, the link and the host's AdamW, what was skipped."""
+    versions, rows = r.get("versions", {}), _suite_rows(r)
+    lines = [
+        f"**One GPU session's suite** (`{name}`; {r.get('device') or 'unknown device'}, driver "
+        f"{r.get('driver') or '?'}, commit {r['commit'] or 'unknown'}, {r['date']}; jax {versions.get('jax', '?')}, "
+        f"jaxlib {versions.get('jaxlib', '?')}; XLA flags `{r.get('xla_flags') or 'none'}`): each part in one "
+        "process, no memory cap; a peak is `memory_stats()['peak_bytes_in_use']` after the row, its own only where "
+        'it rose during it; the H200 plan is the same step planned for `profile="h200"` on the host, nothing '
+        "compiled (a model, not a measurement).",
+        "",
+        "| part | measured | s/step | vs `jax.jit` | peak | budget | copied in / back a step (plan) "
+        "| H200 plan: step / in core |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for part, key, label in SUITE_ROWS:
+        row = rows.get((part, key))
+        if row is None:
+            continue
+        if row.get("error"):
+            first = next((x for x in row["error"].splitlines() if x.strip()), "")
+            first = first[:100].replace("|", "\\|")
+            lines.append(f"| {part} | {label} | **failed**: {first} | - | - | - | - | - |")
+            continue
+        peak = _gib(row.get("peak_bytes_in_use")) + (
+            "" if row.get("peak_is_own") or not row.get("peak_bytes_in_use") else " (not its own)"
+        )
+        copied = (
+            f"{row['copied_to_device_bytes'] / 2**30:.2f} / {row['copied_back_bytes'] / 2**30:.2f} GiB "
+            f"({row['planned_to_device_bytes'] / 2**30:.2f} / {row['planned_back_bytes'] / 2**30:.2f})"
+            if "copied_to_device_bytes" in row
+            else "-"
+        )
+        h200 = row.get("h200_plan") or {}
+        planned = f"{_ms(h200['step_time_s'])} / {_ms(h200['in_core_time_s'])}" if h200.get("step_time_s") else "-"
+        ratio = f"{row['vs_jax_jit']:.2f}x" if row.get("vs_jax_jit") else "-"
+        budget = _gib(row.get("budget_bytes")) if row.get("budget_bytes") else "-"
+        lines.append(
+            f"| {part} | {label} | {row['s_per_step']:.4f} | {ratio} | {peak} | {budget} | {copied} | {planned} |"
+        )
+    found = {p["part"]: p.get("record") or {} for p in r["parts"]}
+    link = found.get("state_gpt", {}).get("link")
+    host = found.get("host_adamw", {})
+    extra = []
+    if link:
+        extra.append(
+            f"Link (1 GiB jitted copies): {link['h2d_GB_per_s']:.1f} GB/s to the device, {link['d2h_GB_per_s']:.1f} "
+            f"back, {link['both_GB_per_s']:.1f} both at once."
+        )
+    if host.get("adamw"):
+        a, bw = host["adamw"], host.get("bandwidth", {})
+        extra.append(
+            f"AdamW on the host CPU ({host.get('usable_cores')} cores) over {host['parameters'] / 1e9:.2f}e9 f32 "
+            f"parameters: {_ms(a['s_per_step'])} a step, {a['GB_per_s']:.1f} GB/s"
+            + (
+                f"; host memory {bw['numpy_copy_GB_per_s']:.1f} GB/s (numpy copy, one thread), "
+                f"{bw['xla_cpu_GB_per_s']:.1f} GB/s (XLA:CPU)."
+                if bw
+                else "."
+            )
+        )
+    summary = r.get("summary", {})
+    if summary.get("skipped"):
+        extra.append("Skipped: " + "; ".join(summary["skipped"]) + ".")
+    if summary.get("failures"):
+        extra.append("**Failures**: " + "; ".join(summary["failures"]) + ".")
+    return [*lines, "", *([" ".join(extra), ""] if extra else [])]
+
+
+def gpu_suite_rows(name: str, r: dict) -> list[str]:
+    """The README's rows for one suite record: the activation-bound GPT, the 1.34B GPT with state on host."""
+    rows, out = _suite_rows(r), []
+
+    def vs(part: str, key: str) -> str:
+        row = rows.get((part, key), {})
+        return f"{row['vs_jax_jit']:.2f}x" if row.get("vs_jax_jit") else "-"
+
+    if ("activation_gpt", "jax_jit") in rows:
+        what = "16-layer, 1024-wide GPT training step, one process, no cap (`gpu_suite.py`)"
+        ooc = f"{vs('activation_gpt', 'ooc_jit')} at 7.72 GiB; "
+        ooc += f"{vs('activation_gpt', 'ooc_jit_at_remat_peak')} at remat's peak"
+        out.append(_row(what, name, r, ooc, f"`nothing_saveable` {vs('activation_gpt', 'remat')}"))
+    if ("state_gpt", "jax_jit") in rows:
+        what = (
+            "1.34B-parameter GPT training step, f32 AdamW state kept in host memory, at 4 GiB / 14 GiB (`gpu_suite.py`)"
+        )
+        ooc = f"{vs('state_gpt', 'ooc_jit_4')} / {vs('state_gpt', 'ooc_jit_14')}"
+        out.append(_row(what, name, r, ooc, f"`nothing_saveable` {vs('state_gpt', 'remat')}"))
+    return out
 
 
 def _median(values: list[float]) -> float:

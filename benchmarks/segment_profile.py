@@ -96,30 +96,8 @@ def profile(model: dict, budget_bytes: int | None, steps: int, dry_run: bool, tr
     print(f"ooc_jit        {ooc_s * 1e3:8.2f} ms/step ({ooc_s / jit_s:.2f}x jax.jit), gate off {ungated_s * 1e3:.2f}")
     print(f"  no waits     {unwaited_s * 1e3:8.2f} ms (the budget not held)")
     print(f"back to back   {plain_s * 1e3:8.2f} ms ({plain_s / jit_s:.2f}x jax.jit), {len(plan.segments)} segments")
-    slots = jax.block_until_ready(plain(keep=True))
-    recomputed_at = [r.recomputed_at for r in plan.recomputed]
-    distinct: dict[int, int] = {}
-    rows = []
-    for i, (segment, (program, inputs, literals)) in enumerate(zip(plan.segments, plain.calls, strict=True)):
-        inputs = [*(slots[b] for b in inputs), *literals]
-        seconds = median_seconds(lambda program=program, inputs=inputs: program(*inputs), steps)
-        rows.append(
-            dict(
-                segment=i,
-                steps=[segment.start, segment.stop],
-                program=distinct.setdefault(id(program), len(distinct)),
-                flops=segment.flops,
-                recomputed=sum(segment.start <= k < segment.stop for k in recomputed_at),
-                solo_s=seconds,
-                flops_per_s=segment.flops / seconds,
-                first=f"{plan.program.steps[segment.start].name} at {plan.program.steps[segment.start].label}",
-            )
-        )
-        row = rows[-1]
-        print(
-            f"segment {i:3d} steps {segment.start:5d}-{segment.stop:5d} {seconds * 1e3:8.3f} ms "
-            f"{row['flops_per_s'] / 1e12:7.2f} TFLOP/s, {row['recomputed']:4d} recomputed, {row['first'][:60]}"
-        )
+    rows = segment_rows(plan, plain, steps)
+    distinct = {r["program"] for r in rows}
     solo_sum = sum(r["solo_s"] for r in rows)
     print(f"segments alone {solo_sum * 1e3:8.2f} ms in all", flush=True)
     return dict(
@@ -140,6 +118,46 @@ def profile(model: dict, budget_bytes: int | None, steps: int, dry_run: bool, tr
         dry_run=dry_run,
         **executor_costs(step, carried, batch, steps),
         **against_remat(model, work, state, batch, jit_s, steps, options, trace_dir, dry_run),
+    )
+
+
+def segment_rows(plan, plain, steps: int) -> list[dict]:
+    """Each segment program of ``plan`` alone, on the inputs its back-to-back run (``plain``:
+    ``executor_overhead.back_to_back``) gave it, median of ``steps``: its steps, which distinct
+    program it is, its FLOPs, the values it recomputes, its seconds and the rate it reached."""
+    slots = jax.block_until_ready(plain(keep=True))
+    recomputed_at = [r.recomputed_at for r in plan.recomputed]
+    distinct: dict[int, int] = {}
+    rows = []
+    for i, (segment, (program, inputs, literals)) in enumerate(zip(plan.segments, plain.calls, strict=True)):
+        inputs = [*(slots[b] for b in inputs), *literals]
+        seconds = median_seconds(lambda program=program, inputs=inputs: program(*inputs), steps)
+        rows.append(
+            dict(
+                segment=i,
+                steps=[segment.start, segment.stop],
+                program=distinct.setdefault(id(program), len(distinct)),
+                flops=segment.flops,
+                bytes_accessed=sum(step.bytes_accessed for step in plan.program.steps[segment.start : segment.stop]),
+                recomputed=sum(segment.start <= k < segment.stop for k in recomputed_at),
+                solo_s=seconds,
+                flops_per_s=segment.flops / seconds,
+                first=f"{plan.program.steps[segment.start].name} at {plan.program.steps[segment.start].label}",
+            )
+        )
+        row = rows[-1]
+        print(
+            f"segment {i:3d} steps {segment.start:5d}-{segment.stop:5d} {seconds * 1e3:8.3f} ms "
+            f"{row['flops_per_s'] / 1e12:7.2f} TFLOP/s, {row['recomputed']:4d} recomputed, {row['first'][:60]}"
+        )
+    return rows
+
+
+def compiled_peak_bytes(compiled) -> int:
+    """A compiled program's device bytes: its arguments, outputs and scratch, less what outputs alias."""
+    stats = compiled.memory_analysis()
+    return (
+        stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes - stats.alias_size_in_bytes
     )
 
 
@@ -185,9 +203,7 @@ def against_remat(
     ``jax.jit``, remat and ``ooc_jit`` at remat's peak."""
     remat = workload(model, "remat_block_nothing_saveable")
     remat_jitted = jax.jit(remat.step)
-    stats = remat_jitted.lower(state, batch).compile().memory_analysis()
-    peak = stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-    peak -= stats.alias_size_in_bytes
+    peak = compiled_peak_bytes(remat_jitted.lower(state, batch).compile())
     remat_s = median_seconds(lambda: remat_jitted(state, batch), steps)
     print(f"per-block remat {remat_s * 1e3:7.2f} ms/step ({remat_s / jit_s:.2f}x jax.jit), peak {peak / 2**30:.3f} GiB")
     rows = []

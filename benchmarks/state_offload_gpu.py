@@ -299,6 +299,54 @@ def show(record: dict) -> None:
         )
 
 
+def budget_scale(model: dict, dry_run: bool) -> float:
+    """What a budget in GiB is multiplied by: 1 on a GPU; in a dry run, the small model's state over
+    the GPU model's 15 GiB, so that the dry run keeps the GPU's state-to-budget ratio."""
+    init, _ = gpt(model)
+    shapes = jax.eval_shape(init, jax.random.key(0))
+    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    return state_bytes / (15.0 * GIB) if dry_run else 1.0
+
+
+def measure(record: dict, model: dict, gibs: list[float], args, in_time, save) -> None:
+    """The runs of ``main``, in its order, into ``record``: the link, ``ooc_jit`` at each budget of
+    ``gibs`` (GiB), then ``jax.jit`` (``args.jit``: plain, remat). ``args`` has ``dry_run``,
+    ``loss_steps``, ``timed_steps`` and ``jit``; ``in_time(name)`` says whether a run may still start
+    (else it is skipped); ``save()`` is called after each run."""
+    began = time.perf_counter()
+    record["link"] = link_probe(16 if args.dry_run else 1024)
+    save()
+    key = jax.random.key(0)
+    tokens = jax.random.randint(jax.random.key(1), (model["batch"], model["seq"] + 1), 0, model["vocab"])
+    init, _ = gpt(model)
+    record["parameters"] = sum(x.size for x in jax.tree.leaves(jax.eval_shape(init, key)[0]))
+    record["model_flops"] = model_flops(model, record["parameters"])
+    scale = budget_scale(model, args.dry_run)
+    make = ooc_jit(init, budget=int(min(gibs) * GIB * scale))  # the state, made within the smallest budget
+    for gib in gibs:
+        if not in_time(f"ooc_jit at {gib} GiB"):
+            continue
+        print(f"{time.perf_counter() - began:.0f} s: ooc_jit at {gib} GiB", flush=True)
+        try:
+            row = ooc_run(model, make, key, tokens, int(gib * GIB * scale), args.loss_steps, args.timed_steps)
+        except Exception as error:  # recorded, and the runs after it still run
+            row = dict(budget_bytes=int(gib * GIB * scale), error=f"{type(error).__name__}: {error}"[:3000])
+        record["ooc_jit"].append(row | dict(gib=gib))
+        save()
+        show(dict(ooc_jit=[record["ooc_jit"][-1]], jax_jit=[]))
+    record["profile"] = dataclasses.asdict(measure_profile())  # as the plans measured it (cached)
+    for remat in [name == "remat" for name in args.jit.split(",") if name]:
+        if not in_time(f"jax.jit remat={remat}"):
+            continue
+        print(f"{time.perf_counter() - began:.0f} s: jax.jit, remat={remat}", flush=True)
+        try:
+            row = jit_run(model, key, tokens, remat, args.loss_steps + 1, args.timed_steps)
+        except Exception as error:
+            row = dict(remat=remat, error=f"{type(error).__name__}: {error}"[:3000])
+        record["jax_jit"].append(row)
+        save()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="a small GPT at budgets scaled to its state")
@@ -336,40 +384,7 @@ def main() -> None:
         print(f"skipped {name}: past the deadline", flush=True)
         return False
 
-    record["link"] = link_probe(16 if args.dry_run else 1024)
-    save()
-    key = jax.random.key(0)
-    tokens = jax.random.randint(jax.random.key(1), (model["batch"], model["seq"] + 1), 0, model["vocab"])
-    init, _ = gpt(model)
-    shapes = jax.eval_shape(init, key)
-    state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-    record["parameters"] = sum(x.size for x in jax.tree.leaves(shapes[0]))
-    record["model_flops"] = model_flops(model, record["parameters"])
-    gibs = [float(g) for g in args.budgets.split(",")]
-    scale = state_bytes / (15.0 * GIB) if args.dry_run else 1.0  # the dry run keeps the GPU's state/budget ratio
-    make = ooc_jit(init, budget=int(min(gibs) * GIB * scale))  # the state, made within the smallest budget
-    for gib in gibs:
-        if not in_time(f"ooc_jit at {gib} GiB"):
-            continue
-        print(f"{time.perf_counter() - began:.0f} s: ooc_jit at {gib} GiB", flush=True)
-        try:
-            row = ooc_run(model, make, key, tokens, int(gib * GIB * scale), args.loss_steps, args.timed_steps)
-        except Exception as error:  # recorded, and the runs after it still run
-            row = dict(budget_bytes=int(gib * GIB * scale), error=f"{type(error).__name__}: {error}"[:3000])
-        record["ooc_jit"].append(row | dict(gib=gib))
-        save()
-        show(dict(ooc_jit=[record["ooc_jit"][-1]], jax_jit=[]))
-    record["profile"] = dataclasses.asdict(measure_profile())  # as the plans measured it (cached)
-    for remat in [name == "remat" for name in args.jit.split(",") if name]:
-        if not in_time(f"jax.jit remat={remat}"):
-            continue
-        print(f"{time.perf_counter() - began:.0f} s: jax.jit, remat={remat}", flush=True)
-        try:
-            row = jit_run(model, key, tokens, remat, args.loss_steps + 1, args.timed_steps)
-        except Exception as error:
-            row = dict(remat=remat, error=f"{type(error).__name__}: {error}"[:3000])
-        record["jax_jit"].append(row)
-        save()
+    measure(record, model, [float(g) for g in args.budgets.split(",")], args, in_time, save)
     record["wall_s"] = time.perf_counter() - began
     save()
     print()
