@@ -65,7 +65,6 @@ from benchmarks._machine import machine
 from benchmarks.state_offload import MODEL as STATE_MODEL
 from oocjax import ooc_jit
 from oocjax.schedule import PROFILES, simulate_time
-from oocjax.schedule.hybrid import MOVED_ROUNDS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -102,17 +101,11 @@ def state_case(variant: str):
 
 
 def plan_now(family: str, variant: str, budget: int, **options):
-    """The step planned now for the H200 profile (nothing compiled); ``MOVED_ROUNDS`` in ``options``
-    sets ``schedule.hybrid.MOVED_ROUNDS`` while planning."""
-    from oocjax.schedule import hybrid
-
+    """The step planned now for the H200 profile (nothing compiled). A run made with the rounds
+    that recomputed moved values (``moved_rounds``, since deleted) is planned as any other now."""
     step, args = (activation_case if family == "activation" else state_case)(variant)
-    rounds, hybrid.MOVED_ROUNDS = hybrid.MOVED_ROUNDS, options.pop("moved_rounds", MOVED_ROUNDS)
-    try:
-        plan = ooc_jit(step, budget=budget, donate_argnums=(0,), **options).plan(*args, profile="h200")
-    finally:
-        hybrid.MOVED_ROUNDS = rounds
-    return plan
+    options.pop("moved_rounds", None)
+    return ooc_jit(step, budget=budget, donate_argnums=(0,), **options).plan(*args, profile="h200")
 
 
 def plan_facts(plan) -> dict:

@@ -59,11 +59,11 @@ SEGMENTS_PER_LAYER, HOST_PEAK = 4, 1.2
 PROFILE = "h200"
 
 
-def abstract_case(model: dict, scan: bool):
-    """The step and its abstract arguments: the state (parameters and AdamW's moments) and a batch."""
-    gpt = Transformer(
-        vocab=model["vocab"], width=model["width"], heads=model["heads"], layers=model["layers"], causal=True, scan=scan
-    )
+def abstract_case(model: dict, scan: bool, dtype=None):
+    """The step and its abstract arguments: the state (parameters and AdamW's moments, float32) and
+    a batch; ``dtype``: the compute dtype (``jnp.bfloat16`` over float32 parameters), default float32."""
+    sizes = {k: model[k] for k in ("vocab", "width", "heads", "layers")}
+    gpt = Transformer(**sizes, causal=True, scan=scan, dtype=dtype)
     optimizer = optax.adamw(1e-4)
     tokens = jax.ShapeDtypeStruct((model["batch"], model["seq"] + 1), jnp.int32)
     params = jax.eval_shape(gpt.init, jax.random.key(0), jnp.zeros((1, model["seq"]), jnp.int32))
@@ -71,8 +71,8 @@ def abstract_case(model: dict, scan: bool):
     return next_token_step(gpt, optimizer), state, tokens
 
 
-def plan_case(model: dict, scan: bool, budget_bytes: int) -> dict:
-    step_fn, state, tokens = abstract_case(model, scan)
+def plan_case(model: dict, scan: bool, budget_bytes: int, dtype=None) -> dict:
+    step_fn, state, tokens = abstract_case(model, scan, dtype)
     state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
     started = time.perf_counter()
     step = ooc_jit(step_fn, budget=budget_bytes, donate_argnums=(0,))
@@ -87,6 +87,7 @@ def plan_case(model: dict, scan: bool, budget_bytes: int) -> dict:
     timeline = plan.timeline
     return dict(
         scan=scan,
+        dtype="float32" if dtype is None else jnp.dtype(dtype).name,
         budget_bytes=budget_bytes,
         state_bytes=state_bytes,
         host_kept_bytes=floor_in,
@@ -101,6 +102,7 @@ def plan_case(model: dict, scan: bool, budget_bytes: int) -> dict:
         host_peak_bytes=plan.host_peak_bytes,
         host_peak_vs_kept=plan.host_peak_bytes / floor_in if floor_in else None,
         recomputed=len(plan.recomputed),
+        layer_policy=[line.strip() for line in plan.summary().splitlines() if line.startswith("  layer")],
         step_time_s=plan.step_time_s,
         in_core_time_s=plan.in_core_time_s,
         plan_seconds=seconds,

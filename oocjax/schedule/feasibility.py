@@ -78,3 +78,16 @@ def check_feasible(program: Program, budget_bytes: int, min_offload_bytes: int =
         step=worst,
         where=step.describe(),
     )
+
+
+def check_window(program: Program, window_bytes: int) -> None:
+    """Raises ``ValueError`` if some step alone touches more than the window planner's look-ahead."""
+    nbytes = [b.nbytes for b in program.buffers]
+    touched = [sum(nbytes[b] for b in step.reads) + sum(nbytes[b] for b in step.writes) for step in program.steps]
+    widest = max(range(len(touched)), key=touched.__getitem__, default=None)
+    if widest is not None and touched[widest] > window_bytes:
+        raise ValueError(
+            f"window_bytes={window_bytes} cannot hold step {widest} ({program.steps[widest].describe()}), which "
+            f"touches {format_bytes(touched[widest])}: use a window of at least {touched[widest]} bytes, or leave "
+            "it unset (1.5x the budget)"
+        )

@@ -26,9 +26,8 @@ memory of the input they alias (``schedule.homes``). Where the donated state is 
 budget, inputs fetched again and again are kept on the device from the start where that moves
 fewer bytes (``homes.resident_candidates``). Where the state is (``Program.state_bytes``: an init's
 results count too), the step is also planned in ranges of steps (``schedule.ranges``), taken where
-its fewer stops of the executor cost less than its copies; where its layers are known, it is
-planned by layer: each layer's steps in ranges, so that its copies are issued where its segments
-begin and its parameters are fetched once for each range that reads them.
+its fewer stops of the executor cost less than its copies; where its layers are known, by layer:
+each layer in ranges, its copies issued where its segments begin, its parameters held through it.
 """
 
 from __future__ import annotations
@@ -42,13 +41,13 @@ from itertools import accumulate
 
 from oocjax.schedule._gc import gc_paused
 from oocjax.schedule.baselines import keep_all
-from oocjax.schedule.feasibility import check_feasible
+from oocjax.schedule.feasibility import check_feasible, check_window
 from oocjax.schedule.homes import resident_candidates, settle_homes
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.program import Program, held_for_whole_step
 from oocjax.schedule.ranges import cheapest_in_ranges, layer_of_steps
 from oocjax.schedule.simulate import simulate
-from oocjax.schedule.units import MiB, format_bytes
+from oocjax.schedule.units import MiB
 
 DEFAULT_WINDOW_FACTOR = 1.5  # nnabla's default; its authors found it on ResNet-50
 # Once a program has backtracked, a pass keeps a copy of its state every this many steps (or every
@@ -100,7 +99,7 @@ def plan_window(
         if simulate(program, keep_all(program)).peak_bytes <= budget_bytes:
             return keep_all(program, budget_bytes=budget_bytes, strategy="window")
         check_feasible(program, budget_bytes, min_offload_bytes)
-        _check_window(program, window)
+        check_window(program, window)
         step_by_step = _plan_steps(
             program, budget_bytes, window, min_offload_bytes, layer_of_steps(len(program.steps), layers)
         )
@@ -114,7 +113,7 @@ def _plan_checked(
     program: Program, budget_bytes: int, groups: Sequence[int] = (), *, window: int, min_offload_bytes: int
 ) -> Schedule:
     check_feasible(program, budget_bytes, min_offload_bytes)
-    _check_window(program, window)
+    check_window(program, window)
     return _plan_steps(program, budget_bytes, window, min_offload_bytes, groups)
 
 
@@ -132,37 +131,16 @@ def _plan_steps(
     return min(plans, key=lambda schedule: schedule.moved_bytes(program))
 
 
-def _check_window(program: Program, window_bytes: int) -> None:
-    nbytes = [b.nbytes for b in program.buffers]
-    touched = [sum(nbytes[b] for b in step.reads) + sum(nbytes[b] for b in step.writes) for step in program.steps]
-    widest = max(range(len(touched)), key=touched.__getitem__, default=None)
-    if widest is not None and touched[widest] > window_bytes:
-        raise ValueError(
-            f"window_bytes={window_bytes} cannot hold step {widest} ({program.steps[widest].describe()}), which "
-            f"touches {format_bytes(touched[widest])}: use a window of at least {touched[widest]} bytes, or leave "
-            "it unset (1.5x the budget)"
-        )
-
-
 class _WindowPlanner:
     """One planning problem: the access list and its tables, shared by every pass. ``plan`` runs
     passes until one gets through; a pass that finds no room for a step forbids some prefetches
     (``backtrack``) and the next starts over."""
 
-    def __init__(
-        self,
-        program: Program,
-        budget: int,
-        window: int,
-        min_offload_bytes: int,
-        resident: frozenset[int] = frozenset(),
-        *,
-        groups: Sequence[int] = (),
-    ):
+    def __init__(self, program: Program, budget: int, window: int, min_offload: int, resident=frozenset(), groups=()):
         self.program, self.budget, self.window = program, budget, window
         buffers = program.buffers
         self.nbytes = [b.nbytes for b in buffers]
-        self.pinned = [b in resident or buffer.never_moves(min_offload_bytes) for b, buffer in enumerate(buffers)]
+        self.pinned = [b in resident or buffer.never_moves(min_offload) for b, buffer in enumerate(buffers)]
         # Inputs kept on the device (those too small to move) and constants hold their memory to the
         # end; the device copy of an input that lives on host is a prefetched one, freed like any other.
         self.held_to_end = [
@@ -180,15 +158,16 @@ class _WindowPlanner:
         self.access_buffer, self.access_step = access_buffer, access_step
         self.step_end = list(accumulate(len(step.reads) + len(step.writes) for step in program.steps))
         self.next_access = _next_access(access_buffer, len(buffers))
-        # Per access, whether the buffer's next one is in the same layer (``groups``): a copy that a
-        # host copy backs is then held until memory is needed, not dropped and fetched again.
+        # Per access, whether the buffer's next one is in the same layer (``groups``): then held, not dropped.
         group = [*groups, -1] if groups else [-1] * (n + 1)
         self.same_layer = [
             nx >= 0 and group[access_step[i]] >= 0 and group[access_step[nx]] == group[access_step[i]]
             for i, nx in enumerate(self.next_access)
         ]
-        self.stopper = [0] * len(access_buffer)  # access i may not enter the window before step stopper[i]
-        self.backtracks = 0
+        self.stopper, self.backtracks = (
+            [0] * len(access_buffer),
+            0,
+        )  # access i may not enter the window before step stopper[i]
 
     def plan(self) -> Schedule:
         """Passes until one gets through, each after a backtrack resumed (``_Pass.rewind``): the
@@ -241,7 +220,7 @@ class _PlannedOffload:
     buffer: int
     after_step: int
     done_before_step: int | None = None
-    dropped: bool = False  # a copy held past its reads, which waiting for releases: no move
+    dropped: bool = False  # a copy held past its reads (no move): waiting for it releases it
 
 
 class _Pass:
@@ -306,7 +285,7 @@ class _Pass:
                 self.snapshots.append(self._snapshot(k))
             self._admit_ahead(k)
             self.head_after.append(self.head)
-            if self.head < self.planner.step_end[k]:  # check_feasible and _check_window rule this out
+            if self.head < self.planner.step_end[k]:  # check_feasible and check_window rule this out
                 raise AssertionError(f"window planner could not admit every access of step {k}")
             step = steps[k]
             if not self._reserve(k, step.writes, step.transient_bytes):
