@@ -139,10 +139,15 @@ def test_each_copy_costs_its_own_directions_latency_plus_bytes_over_bandwidth():
     assert UNIT.h2d_seconds(MiB) == UNIT.d2h_seconds(MiB) == 1  # no per-direction figure: copy_latency_s
 
 
-def test_existing_profiles_keep_one_latency_for_both_directions():
-    for profile in PROFILES.values():
-        assert profile.h2d_latency_s is None and profile.d2h_latency_s is None
-        assert profile.h2d_seconds(0) == profile.d2h_seconds(0) == profile.copy_latency_s
+def test_published_profiles_keep_one_latency_for_both_directions_and_the_fitted_one_has_its_own_each_way():
+    fitted = {name for name, profile in PROFILES.items() if profile.source.startswith("fitted")}
+    assert fitted == {"h200"}
+    for name, profile in PROFILES.items():
+        if name in fitted:
+            assert profile.h2d_seconds(0) == profile.h2d_latency_s != profile.d2h_latency_s == profile.d2h_seconds(0)
+        else:
+            assert profile.h2d_latency_s is None and profile.d2h_latency_s is None
+            assert profile.h2d_seconds(0) == profile.d2h_seconds(0) == profile.copy_latency_s
 
 
 # The pressure bound in the lower bound

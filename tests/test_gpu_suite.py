@@ -51,10 +51,12 @@ def test_the_suite_dry_run_runs_every_part_and_sets_each_step_beside_its_h200_pl
     assert rows["ooc_jit_at_remat_peak"]["budget_bytes"] == rows["remat"]["compiled_peak_bytes"]
     in_core = rows["ooc_jit"]["in_core_estimate_bytes"]
     assert rows["ooc_jit"]["budget_bytes"] == int(in_core * gpu_suite.DRY_BUDGET_SHARE)
+    # At remat's peak a plan may recompute alone (remat does); below it, this one must move values.
+    assert rows["ooc_jit"]["moved_bytes"] > 0 and rows["ooc_jit"]["planned_to_device_bytes"] > 0
     for name in ("ooc_jit_at_remat_peak", "ooc_jit"):
         row = rows[name]
-        assert 0 < row["planned_peak_bytes"] <= row["budget_bytes"] and row["moved_bytes"] > 0
-        assert row["copied_to_device_bytes"] == row["planned_to_device_bytes"] > 0  # what its plan says, per step
+        assert 0 < row["planned_peak_bytes"] <= row["budget_bytes"]
+        assert row["copied_to_device_bytes"] == row["planned_to_device_bytes"]  # what its plan says, per step
         assert row["copied_back_bytes"] == row["planned_back_bytes"]
         assert row["host_waits_per_step"] >= 0 and 0 < row["first_launch_s"] < row["s_per_step"] * 50
         assert row["peak_bytes_in_use"] is None and row["within_budget"] is None  # no memory statistics on a CPU

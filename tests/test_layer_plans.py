@@ -15,8 +15,10 @@ from oocjax.schedule import check_segments, validate
 from tests import more_ways
 
 # Budgets as shares of the state, where every layer's state streams through the device (a
-# Llama-style layer's own state and activations need half of it to be held whole).
-SHARES = {"gpt": 1 / 3, "llama": 1 / 2, "encoder": 1 / 3}
+# Llama-style layer's own state and activations need half of it to be held whole; at a third of
+# its state the encoder's backward, recomputing its layer, has no room to hold a kernel through it,
+# and the plan fetches it a third time).
+SHARES = {"gpt": 1 / 3, "llama": 1 / 2, "encoder": 1 / 2}
 
 
 def state_bytes(state) -> int:
