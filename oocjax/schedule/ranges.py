@@ -26,7 +26,6 @@ from dataclasses import dataclass, replace
 from oocjax.errors import BudgetInfeasibleError
 from oocjax.schedule.moves import Offload, Prefetch, Schedule, move_order
 from oocjax.schedule.program import Program, Step
-from oocjax.schedule.range_max import RangeMax
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,31 +49,36 @@ def ranges_within(program: Program, limit: int, bounds: frozenset[int] = frozens
     for b, buffer in enumerate(program.buffers):
         if buffer.kind == "computed" and not buffer.is_output:
             dying_at[read_at[b][-1] if read_at[b] else defined_at[b]].append(b)
-    inner = RangeMax(step.transient_bytes for step in steps)  # scratch, plus values inside a range
     ranges: list[Range] = []
     start, outside, read_bytes, result_bytes = 0, set(), 0, 0
+    # The range's steps' scratch plus the values made and freed inside it, per step of it, and
+    # their peak: a value freed at step k adds to steps ``defined .. k``, so the peak only rises.
+    inner, inner_peak = [], 0
     k = 0
     while k < len(steps):
         step = steps[k]
         reads = [b for b in step.reads if b not in outside and (defined_at[b] is None or defined_at[b] < start)]
         made = sum(nbytes[b] for b in step.writes)
         dying = [b for b in dying_at[k] if defined_at[b] >= start]  # made in the range: inside it now
-        for b in dying:
-            inner.add(defined_at[b], k + 1, nbytes[b])
         freed = sum(nbytes[b] for b in dying)
-        need = read_bytes + sum(nbytes[b] for b in reads) + result_bytes + made - freed + inner.max(start, k + 1)
-        if (need > limit or k in bounds) and k > start:
-            for b in dying:  # step k starts the next range instead
-                inner.add(defined_at[b], k + 1, -nbytes[b])
-            ranges.append(Range(start, k, inner.max(start, k)))
-            start, outside, read_bytes, result_bytes = k, set(), 0, 0
+        inner.append(step.transient_bytes)
+        first = min((defined_at[b] - start for b in dying), default=len(inner) - 1)
+        for b in dying:
+            d = defined_at[b] - start
+            inner[d:] = [x + nbytes[b] for x in inner[d:]]
+        peak = max(inner_peak, max(inner[first:]))
+        need = read_bytes + sum(nbytes[b] for b in reads) + result_bytes + made - freed + peak
+        if (need > limit or k in bounds) and k > start:  # step k starts the next range instead
+            ranges.append(Range(start, k, inner_peak))
+            start, outside, read_bytes, result_bytes, inner, inner_peak = k, set(), 0, 0, [], 0
             continue
         outside.update(reads)
         read_bytes += sum(nbytes[b] for b in reads)
         result_bytes += made - freed
+        inner_peak = peak
         k += 1
     if steps:
-        ranges.append(Range(start, len(steps), inner.max(start, len(steps))))
+        ranges.append(Range(start, len(steps), inner_peak))
     return ranges
 
 
