@@ -110,6 +110,7 @@ class Plan:
         ``schedule.blocks``), rather than values chosen one class at a time.
       step_time_s, swap_only_time_s: the simulated step time of this plan and of the swap-only plan
         it was chosen against (on the device profile it was planned with; None where not compared).
+      swap_only_moved_bytes: what that swap-only plan's copies move, both ways together.
       layers: ``(start, stop, kind)`` per run of a layer's steps in ``program``, forward, backward
         (``"transpose Block"``) and update (``"update Block"``), where layers were found.
       in_core_time_s: the simulated step time on the same profile with nothing moved or
@@ -144,6 +145,7 @@ class Plan:
     recomputed_by_block: bool = False
     step_time_s: float | None = None
     swap_only_time_s: float | None = None
+    swap_only_moved_bytes: int | None = None
     in_core_time_s: float | None = None
     layers: tuple[tuple[int, int, str], ...] = ()
 

@@ -40,6 +40,7 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
         "extra_flops": plan.extra_flops,
         "step_time_s": plan.step_time_s,
         "swap_only_time_s": plan.swap_only_time_s,
+        "swap_only_moved_bytes": plan.swap_only_moved_bytes,
         "in_core_time_s": plan.in_core_time_s,
         "recomputed_by_block": plan.recomputed_by_block,
     }
@@ -80,6 +81,7 @@ def loads(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
         mesh=data.get("mesh", ""),
         step_time_s=data.get("step_time_s"),
         swap_only_time_s=data.get("swap_only_time_s"),
+        swap_only_moved_bytes=data.get("swap_only_moved_bytes"),
         in_core_time_s=data.get("in_core_time_s"),
         recomputed_by_block=data.get("recomputed_by_block", False),
         segments=tuple(_read_segment(segment) for segment in data.get("chain", ())),

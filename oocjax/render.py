@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from oocjax.schedule import format_bytes
 from oocjax.schedule.chain import Launch, Prefetch, Wait, chain_of
 from oocjax.schedule.cost import simulate_time
+from oocjax.schedule.hybrid import MOVE_MARGIN
 from oocjax.schedule.layer_cuts import segment_signature
 from oocjax.schedule.profiles import DeviceProfile, resolve_profile
 from oocjax.schedule.units import counted
@@ -67,6 +68,15 @@ def _summary_rows(plan: Plan) -> list[tuple[str, str]]:
                 "executed peak",
                 measured
                 + f"(measured from the compiled segments; planned for {format_bytes(plan.schedule.budget_bytes)})",
+            )
+        )
+    if len(plan.attempts) > 1:
+        over = ", ".join(format_bytes(peak) for peak in plan.attempts[:-1])
+        rows.append(
+            (
+                "planned",
+                f"{len(plan.attempts)} times: the compiled segments of the earlier plans measured {over}, over the "
+                f"{format_bytes(plan.schedule.budget_bytes)} planned for; each later plan learnt what they allocate",
             )
         )
     host_inputs = sum(h.nbytes for h in plan.host_inputs)
@@ -125,11 +135,29 @@ def _recomputed_section(plan: Plan, largest: int) -> list[str]:
             f"  step time     swap only would take {_seconds(plan.swap_only_time_s)}; "
             f"this plan {_seconds(plan.step_time_s)}",
             "                (simulated with the profile it was planned with: a model, not a measurement)",
+            *_why_not_swap_only(plan),
         ]
     shown = sorted(recomputed, key=lambda r: -r.nbytes)[:largest]
     header = ("size", "dropped after", "recomputed at", "value")
     table = [(format_bytes(r.nbytes), str(r.dropped_after), str(r.recomputed_at), r.label) for r in shown]
     return [*lines, f"  largest ({len(shown)} of {len(recomputed)}):", *_table([header, *table], "    ")]
+
+
+def _why_not_swap_only(plan: Plan) -> list[str]:
+    """Where swap only simulated faster, why this plan was taken: it moves fewer bytes, and one
+    moving more replaces it only when faster by more than ``MOVE_MARGIN`` (or recomputing was asked for)."""
+    swap_bytes = plan.swap_only_moved_bytes
+    if plan.swap_only_time_s >= plan.step_time_s or swap_bytes is None:
+        return []
+    moved = plan.schedule.moved_bytes(plan.program)
+    if swap_bytes <= moved:
+        return ["  chosen        as asked (recompute='always' or a policy), not by the simulated times"]
+    return [
+        f"  chosen        over swap only, which moves {format_bytes(swap_bytes)} a step to this plan's "
+        f"{format_bytes(moved)}: a plan that moves much more",
+        f"                is taken only where it simulates faster by more than {MOVE_MARGIN:.0%} "
+        "(the model errs by more, and fewer copies keep the layers alike)",
+    ]
 
 
 def _flops_share(plan: Plan) -> str:

@@ -302,7 +302,10 @@ def test_a_segment_measured_over_the_budget_is_planned_again_with_its_real_scrat
     assert len(plan.attempts) > 1 and plan.attempts[0] > plan.budget_bytes
     assert plan.executed_peak_bytes == plan.attempts[-1] <= plan.budget_bytes
     assert plan.baseline_peak_bytes == in_core  # the in-core estimate is the step's, not the re-planned program's
-    assert "executed peak" in plan.summary(profile=None)
+    summary = plan.summary(profile=None)
+    assert "executed peak" in summary
+    # The summary says how many plans were made, and why.
+    assert f"  planned       {len(plan.attempts)} times: the compiled segments of the earlier plans measured" in summary
     assert_same_results(step(HOST_PARAMS, HOST_X), jax.jit(mlp_step)(PARAMS, X))
 
 

@@ -248,3 +248,29 @@ def pretty_names_every_recomputed_value(plan: Plan) -> bool:
             if not any(f"recomputes {r.label} ({format_bytes(r.nbytes)})" in line for line in block[0]):
                 return False
     return named > 0 and named + sum(hidden_recomputes(pretty)) == len(plan.recomputed)
+
+
+def test_a_plan_slower_than_swap_only_says_why_it_was_chosen_over_it():
+    # With copies cheap (3 us a copy), swapping alone simulates 11% faster than recomputing, but
+    # moves six times the bytes: under the 15% a plan that moves much more must win by, the
+    # recomputing plan stays, and the summary says so.
+    from dataclasses import replace
+
+    from oocjax.schedule.hybrid import MOVE_MARGIN
+    from oocjax.schedule.profiles import PROFILES
+
+    profile = replace(PROFILES["h200"], name="h200 with 3 us copies", h2d_latency_s=3e-6, d2h_latency_s=3e-6)
+    case = transformer_dropout_adamw()
+    in_core = ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0], profile=profile)
+    budget = int(in_core.baseline_peak_bytes * 0.3)
+    step = ooc_jit(case.step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096)
+    plan = step.plan(case.state, case.batches[0], profile=profile)
+    moved = plan.schedule.moved_bytes(plan.program)
+    assert plan.recomputed and plan.swap_only_time_s < plan.step_time_s < plan.swap_only_time_s * (1 + MOVE_MARGIN)
+    assert plan.swap_only_moved_bytes > (1 + MOVE_MARGIN) * moved
+    summary = plan.summary()
+    assert (
+        f"  chosen        over swap only, which moves {format_bytes(plan.swap_only_moved_bytes)} a step to this "
+        f"plan's {format_bytes(moved)}: a plan that moves much more" in summary
+    )
+    assert Plan.from_json(plan.to_json(full=True)).swap_only_moved_bytes == plan.swap_only_moved_bytes
