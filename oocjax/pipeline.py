@@ -387,7 +387,7 @@ def _description(traced: TracedStep, settled: SettledPlan, budget: Budget, profi
         step_time_s=choice.step_time_s if settled.step_time_s is None else settled.step_time_s,
         in_core_time_s=choice.in_core_time_s,
         swap_only_time_s=choice.swap_only_time_s,
-        swap_only_moved_bytes=choice.swap_only_moved_bytes,
+        swap_only_moved_bytes=None if choice.swap_only is None else choice.swap_only.moved_bytes(traced.program),
         recomputed_by_block=choice.by_block and bool(choice.rewrite.recomputed),
         loops=traced.flat.loops,
         input_kinds=kinds,

@@ -254,7 +254,7 @@ class Plan:
     def pretty_jaxpr(self, *, full: bool = False) -> str:
         """The step as it runs: segments in order, with the transfers and waits between them and
         what moves (label and size); ``full=True`` appends the chain's whole jaxpr."""
-        from oocjax.render import pretty_jaxpr
+        from oocjax.jaxpr_view import pretty_jaxpr
 
         return pretty_jaxpr(self, full=full)
 

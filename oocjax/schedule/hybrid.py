@@ -61,7 +61,6 @@ class HybridPlan:
         on the same profile: the step in core, were the device large enough.
       swap_only: the adaptive window plan of the original program (None where it is infeasible).
       swap_only_time_s: its simulated step time (None where infeasible).
-      swap_only_moved_bytes: what its copies move, both ways together (None where infeasible).
       by_block: whether ``rewrite`` recomputes by block (``schedule.blocks``) rather than by the
         per-value selector.
     """
@@ -73,7 +72,6 @@ class HybridPlan:
     swap_only: Schedule | None
     swap_only_time_s: float | None
     by_block: bool = False
-    swap_only_moved_bytes: int | None = None
 
     @property
     def program(self) -> Program:
@@ -138,9 +136,7 @@ def plan_hybrid(
     chosen = _chosen(candidates, recompute, swap, budget_bytes)
     plan = dict(rewrite=chosen.rewrite, schedule=chosen.schedule, step_time_s=chosen.time_s, by_block=chosen.by_block)
     in_core = simulate_time(program, keep_all(program), profile).step_time_s
-    swap_moved = None if swap is None else swap.moved_bytes(program)
-    swap_only = dict(swap_only=swap, swap_only_time_s=swap_time, swap_only_moved_bytes=swap_moved)
-    return HybridPlan(**plan, in_core_time_s=in_core, **swap_only)
+    return HybridPlan(**plan, in_core_time_s=in_core, swap_only=swap, swap_only_time_s=swap_time)
 
 
 # A plan that moves more bytes replaces one that moves fewer only when the model says it is faster
