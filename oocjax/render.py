@@ -143,19 +143,16 @@ def _recomputed_section(plan: Plan, largest: int) -> list[str]:
 
 
 def _why_not_swap_only(plan: Plan) -> list[str]:
-    """Where swap only simulated faster, why this plan was taken: it moves fewer bytes, and one
-    moving more replaces it only when faster by more than ``MOVE_MARGIN`` (or recomputing was asked for)."""
-    swap_bytes = plan.swap_only_moved_bytes
-    if plan.swap_only_time_s >= plan.step_time_s or swap_bytes is None:
+    """Where swap only simulated faster while moving more, why this plan was taken: under
+    ``recompute="auto"`` one moving much more replaces it only when faster by over ``MOVE_MARGIN``."""
+    swap_bytes, moved = plan.swap_only_moved_bytes, plan.schedule.moved_bytes(plan.program)
+    if plan.swap_only_time_s >= plan.step_time_s or swap_bytes is None or swap_bytes <= moved:
         return []
-    moved = plan.schedule.moved_bytes(plan.program)
-    if swap_bytes <= moved:
-        return ["  chosen        as asked (recompute='always' or a policy), not by the simulated times"]
     return [
         f"  chosen        over swap only, which moves {format_bytes(swap_bytes)} a step to this plan's "
-        f"{format_bytes(moved)}: a plan that moves much more",
-        f"                is taken only where it simulates faster by more than {MOVE_MARGIN:.0%} "
-        "(the model errs by more, and fewer copies keep the layers alike)",
+        f"{format_bytes(moved)}: under recompute='auto'",
+        f"                a plan that moves much more is taken only where it simulates faster by more than "
+        f"{MOVE_MARGIN:.0%} (the model errs by more, and fewer copies keep the layers alike)",
     ]
 
 

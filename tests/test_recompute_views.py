@@ -271,6 +271,6 @@ def test_a_plan_slower_than_swap_only_says_why_it_was_chosen_over_it():
     summary = plan.summary()
     assert (
         f"  chosen        over swap only, which moves {format_bytes(plan.swap_only_moved_bytes)} a step to this "
-        f"plan's {format_bytes(moved)}: a plan that moves much more" in summary
+        f"plan's {format_bytes(moved)}: under recompute='auto'" in summary
     )
     assert Plan.from_json(plan.to_json(full=True)).swap_only_moved_bytes == plan.swap_only_moved_bytes
