@@ -34,7 +34,7 @@ from oocjax.transforms.memories import sharding
 if __package__ in (None, ""):  # run as ``python benchmarks/executor_overhead.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
-from tests.zoo import transformer_dropout_adamw
+from tests.support.zoo import transformer_dropout_adamw
 
 
 def mlp_step(params, x):

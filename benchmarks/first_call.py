@@ -1,6 +1,6 @@
 """The first call of a step: trace, plan, cut, compile and run, ``ooc_jit`` against ``jax.jit``, on the CPU.
 
-The test zoo's transformer (``tests/zoo.py``) at 4, 12 and 24 layers, at 30% of its in-core
+The test zoo's transformer (``tests/support/zoo.py``) at 4, 12 and 24 layers, at 30% of its in-core
 estimate, donated state, ``min_offload_bytes=4096`` as the tests use; and (``--ways``) one GPT-style
 decoder written four ways (``examples/decoders.py``: Flax auto names, explicit numeric names under a
 parent, NNX with a list of blocks, a plain function over a list of weight dicts), the same way.
@@ -44,7 +44,7 @@ if __package__ in (None, ""):  # run as ``python benchmarks/first_call.py``: put
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
 from examples.decoders import WAYS, decoder_case
-from tests.zoo import transformer_dropout_adamw
+from tests.support.zoo import transformer_dropout_adamw
 
 ROOT = Path(__file__).resolve().parent.parent
 

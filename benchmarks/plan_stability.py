@@ -1,7 +1,7 @@
 """One plan for one step: the same step, budget and device planned in fresh processes, and with the
 device's rates scaled, compared by what the plan does (segments, moves, recomputed values).
 
-The model is ``tests/more_ways.py``'s ``local_global`` decoder (three layers of sliding-window
+The model is ``tests/support/more_ways.py``'s ``local_global`` decoder (three layers of sliding-window
 attention to one of global attention, as Gemma's pattern) at 4 and 8 layers, budgets 30% and 60%
 of its in-core estimate. Each of ``--processes`` fresh processes plans every case on this machine
 (compiling its segments, as a first call does) and prints a digest of each plan; then, in this
@@ -53,7 +53,7 @@ def digest(plan) -> dict:
 
 def case(layers: int, share: float, **plan_options):
     from oocjax import ooc_jit
-    from tests import more_ways
+    from tests.support import more_ways
 
     step, state, batch = more_ways.case("local_global", layers)
     in_core = ooc_jit(step, budget=2**62).plan(state, batch).baseline_peak_bytes
@@ -106,7 +106,7 @@ def main() -> None:
     record = (
         dict(
             benchmark="plan_stability",
-            model="tests/more_ways.py local_global",
+            model="tests/support/more_ways.py local_global",
             processes=runs,
             same_in_every_process=same,
             scaled_rates=rates,

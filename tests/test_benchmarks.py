@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.background import Processes
+from tests.support.background import Processes
 
 ROOT = Path(__file__).parent.parent
 

@@ -14,7 +14,7 @@ import oocjax.placement
 import oocjax.render
 from examples.models import MLP
 from oocjax import OocError, ooc_jit
-from tests.zoo import mlp_adam
+from tests.support.zoo import mlp_adam
 
 MODEL = MLP(width=96, depth=6)  # the zoo case's model
 

@@ -1,6 +1,6 @@
 """The examples run as users run them, and do what they say: train under half their in-core memory.
 
-Each runs in its own process, two at a time (``tests/background.py``)."""
+Each runs in its own process, two at a time (``tests/support/background.py``)."""
 
 import json
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.background import Processes
+from tests.support.background import Processes
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 # In the order the tests ask for them: asking for one queues it and those after it.

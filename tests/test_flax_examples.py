@@ -1,7 +1,7 @@
 """The examples written in Flax's own style (its ImageNet and lm1b training steps) train like ``jax.jit``
 under a budget that makes ``ooc_jit`` move or recompute values; and they run as users run them.
 
-The scripts' processes start with the module's first test, two at a time (``tests/background.py``):
+The scripts' processes start with the module's first test, two at a time (``tests/support/background.py``):
 they run while the tests in this process plan and train.
 """
 
@@ -15,7 +15,7 @@ import pytest
 
 from examples import train_lm, train_resnet
 from oocjax import ooc_jit
-from tests.background import Processes
+from tests.support.background import Processes
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 STEPS = 3

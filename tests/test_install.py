@@ -38,7 +38,7 @@ READ_BY_THE_TESTS = (
     "docs/measurements.md",
     "pyproject.toml",
     "tests/conftest.py",
-    "tests/zoo.py",
+    "tests/support/zoo.py",
     "benchmarks/report.py",
     "benchmarks/gpu_check.py",
     "benchmarks/results",
@@ -54,7 +54,7 @@ READ_BY_THE_TESTS = (
 SUBSET = (
     "tests/test_benchmarks.py::test_the_generated_measurements_and_the_readme_table_match_the_results_files",
     "tests/test_benchmarks.py::test_a_benchmark_records_the_commit_of_its_checkout_and_unknown_outside_one",
-    "tests/test_boundaries.py::test_the_planner_imports_and_plans_with_jax_and_numpy_unavailable",
+    "tests/schedule/test_boundaries.py::test_the_planner_imports_and_plans_with_jax_and_numpy_unavailable",
     "tests/test_examples.py::test_the_check_fails_when_the_budget_forces_no_offloads_or_is_exceeded",
     "tests/test_flax_examples.py::"
     "test_the_language_model_example_draws_the_same_dropout_masks_as_jax_jit_at_a_budget_that_recomputes_or_moves",

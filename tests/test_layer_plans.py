@@ -12,7 +12,7 @@ import pytest
 from benchmarks.state_offload import DRY_MODEL, abstract_case
 from oocjax import Plan, ooc_jit
 from oocjax.schedule import check_segments, validate
-from tests import more_ways
+from tests.support import more_ways
 
 # Budgets as shares of the state, where every layer's state streams through the device (a
 # Llama-style layer's own state and activations need half of it to be held whole; at a third of
@@ -27,7 +27,7 @@ def state_bytes(state) -> int:
 
 @functools.cache
 def planned(model: str, share: float) -> Plan:
-    """The project's GPT (4 layers of width 512) or a model of ``tests.more_ways`` (4 layers, one
+    """The project's GPT (4 layers of width 512) or a model of ``tests.support.more_ways`` (4 layers, one
     example a batch: its state outweighs its activations), planned for an H200 at ``share`` of its
     state."""
     if model == "gpt":

@@ -1,7 +1,7 @@
 """Two processes of 4 CPU devices each run one data-parallel step under ``ooc_jit`` (gloo collectives).
 
 Every process derives the same plan with nothing exchanged but what ``jax.distributed`` does, and
-the losses are ``jax.jit``'s. ``tests/multiprocess_step.py`` is one process.
+the losses are ``jax.jit``'s. ``tests/support/multiprocess_step.py`` is one process.
 """
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.background import cpu_devices_env
+from tests.support.background import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +27,7 @@ def free_port() -> int:
 def run_processes(count: int = 2, timeout_s: float = 300) -> list[dict]:
     env = cpu_devices_env(4)
     port = str(free_port())
-    argv = [sys.executable, "-m", "tests.multiprocess_step"]
+    argv = [sys.executable, "-m", "tests.support.multiprocess_step"]
     procs = [
         subprocess.Popen(
             [*argv, str(i), str(count), port],

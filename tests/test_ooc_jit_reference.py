@@ -13,7 +13,7 @@ import pytest
 import oocjax
 from oocjax import ooc_jit
 from oocjax.transforms.execute import observe_segments
-from tests import zoo
+from tests.support import zoo
 
 # Segments are compiled separately, so XLA fuses within each one only, which may reassociate float32
 # arithmetic. Adam divides by the root of tiny second moments, which turns those last-bit

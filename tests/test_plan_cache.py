@@ -18,7 +18,7 @@ import pytest
 import oocjax.pipeline
 import oocjax.plan_cache
 from oocjax import ooc_jit
-from tests.zoo import mlp_adam
+from tests.support.zoo import mlp_adam
 
 
 @functools.cache
@@ -111,7 +111,7 @@ def test_a_second_process_runs_the_cached_plan_with_the_same_results(tmp_path):
         jax.config.update("jax_compilation_cache_dir", sys.argv[1])
         import oocjax.pipeline
         from oocjax import ooc_jit
-        from tests.zoo import mlp_adam
+        from tests.support.zoo import mlp_adam
         case = mlp_adam()
         in_core = ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0]).baseline_peak_bytes
         if sys.argv[2] == "second":  # planning again would fail (on a CPU its segments compile again)

@@ -4,7 +4,7 @@ import pytest
 
 from oocjax.plan import Plan
 from oocjax.schedule import plan_window
-from tests.programs import MiB, mlp_chain
+from tests.support.programs import MiB, mlp_chain
 from tests.test_views import wide_plan
 
 matplotlib = pytest.importorskip("matplotlib")

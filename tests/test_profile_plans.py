@@ -109,7 +109,7 @@ def test_a_7b_sized_gpt_is_planned_for_an_h200_from_this_cpu_in_little_memory(mo
     # 85 GiB of f32 AdamW state on host: more than XLA's default pinned pool of 64 GiB, raised here
     # as a user planning it for such a machine would.
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "256")
-    command = [sys.executable, "-m", "tests.plan_for_a_gpu"]
+    command = [sys.executable, "-m", "tests.support.plan_for_a_gpu"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     record = json.loads(done.stdout.splitlines()[-1])

@@ -2,11 +2,11 @@
 pipeline, and results match ``jax.jit``'s.
 
 ``XLA_FLAGS`` must hold the device count before jax starts, so each layout runs in its own process
-(``tests/sharded_steps.py``), which prints what it measured as JSON; the assertions are here. Each
+(``tests/support/sharded_steps.py``), which prints what it measured as JSON; the assertions are here. Each
 layout runs its step at 100%, 60% and 40% of its per-device in-core estimate (35% was 2% under the
 smallest budget the model layout holds once each update follows its gradient).
 
-The layouts' processes run two at a time (``tests/background.py``).
+The layouts' processes run two at a time (``tests/support/background.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.background import Processes, cpu_devices_env
+from tests.support.background import Processes, cpu_devices_env
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["data", "model", "explicit", "shard_map"]
@@ -39,7 +39,7 @@ def no_layout_process_outlives_the_module():
 def measured(layout: str) -> dict:
     env = cpu_devices_env(8)
     for queued in ORDER[ORDER.index(layout) :]:
-        processes.queue(queued, [sys.executable, "-m", "tests.sharded_steps", queued], cwd=ROOT, env=env)
+        processes.queue(queued, [sys.executable, "-m", "tests.support.sharded_steps", queued], cwd=ROOT, env=env)
     done = processes.result(layout)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

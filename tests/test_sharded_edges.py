@@ -20,7 +20,7 @@ from oocjax.schedule import Program, keep_all
 from oocjax.schedule.measured import with_measured_scratch
 from oocjax.schedule.segments import GatheringStep, SegmentCost, cut_segments
 from oocjax.transforms import memories
-from tests.background import cpu_devices_env
+from tests.support.background import cpu_devices_env
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,8 +16,8 @@ from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax.plan import Plan
 from oocjax.schedule import plan_window
 from oocjax.timeline_svg import svg_timeline
-from tests.programs import MiB, mlp_chain
-from tests.zoo import transformer_dropout_adamw
+from tests.support.programs import MiB, mlp_chain
+from tests.support.zoo import transformer_dropout_adamw
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

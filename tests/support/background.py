@@ -1,6 +1,6 @@
 """Processes a test module's tests wait on, started before the tests ask for them, two at a time.
 
-One such process (an example script, a layout of ``tests/sharded_steps.py``) keeps about one and a
+One such process (an example script, a layout of ``tests/support/sharded_steps.py``) keeps about one and a
 half of this project's two CPU cores busy, in bursts: started together, two of them finish sooner
 than one after the other, and a process started while the module's in-process tests run uses the
 core they leave idle. A module queues only what its selected tests ask for, and ends with what it

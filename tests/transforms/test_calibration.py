@@ -34,7 +34,7 @@ from oocjax.schedule.segments import cut_segments
 from oocjax.transforms import calibrate
 from oocjax.transforms.calibrate import LinkFit, default_profile, measure_profile, time_segments
 from oocjax.transforms.trace import trace_step
-from tests.programs import MiB, programs
+from tests.support.programs import MiB, programs
 
 # A device where time is easy to read: each step takes its flops in seconds, a MiB a second each way.
 UNIT = DeviceProfile(

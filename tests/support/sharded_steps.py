@@ -1,6 +1,6 @@
 """Sharded training steps run with ``ooc_jit`` on 8 virtual CPU devices, for ``tests/test_sharded.py``.
 
-Run as ``python -m tests.sharded_steps <layout>`` in a process whose ``XLA_FLAGS`` holds
+Run as ``python -m tests.support.sharded_steps <layout>`` in a process whose ``XLA_FLAGS`` holds
 ``--xla_force_host_platform_device_count=8`` (set before jax starts): it prints one JSON object
 of what it measured, and the parent test asserts on it. Layouts: ``LAYOUTS``.
 """

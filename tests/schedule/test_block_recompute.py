@@ -21,7 +21,7 @@ from oocjax.schedule.profiles import resolve_profile
 from oocjax.schedule.recompute import choose_recompute
 from oocjax.transforms.layers import layer_runs
 from oocjax.transforms.recompute import recomputable_steps
-from tests.zoo import transformer_dropout_adamw
+from tests.support.zoo import transformer_dropout_adamw
 
 LAYERS = 8
 PROFILE = resolve_profile("cpu")

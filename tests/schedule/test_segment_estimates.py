@@ -14,7 +14,7 @@ import pytest
 from oocjax import ooc_jit
 from oocjax.schedule import MiB, Program, keep_all
 from oocjax.schedule.segments import cut_segments
-from tests.zoo import mlp_adam
+from tests.support.zoo import mlp_adam
 
 
 def optimizer_step(*, donated: bool) -> Program:

@@ -54,7 +54,7 @@ def test_segments_read_off_the_flat_program_share_programs_exactly_when_their_tr
     import oocjax.pipeline as pipeline
     from oocjax import ooc_jit
     from oocjax.transforms.segment import segment_key, segment_specs
-    from tests import zoo
+    from tests.support import zoo
 
     seen = []
     compile_segments = pipeline.compile_segments

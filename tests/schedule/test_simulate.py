@@ -4,7 +4,7 @@ from hypothesis import given
 
 from oocjax.schedule import Offload, Prefetch, Program, Schedule, keep_all, simulate, validate
 from oocjax.schedule.program import BEFORE_FIRST_STEP
-from tests.programs import MiB, mlp_chain, programs
+from tests.support.programs import MiB, mlp_chain, programs
 
 
 def chain() -> Program:

@@ -18,7 +18,7 @@ import oocjax
 from oocjax import UnsupportedPrimitiveError, ooc_jit
 from oocjax.transforms import analyse, rules
 from oocjax.transforms.trace import trace_step
-from tests.zoo import mlp_adam
+from tests.support.zoo import mlp_adam
 
 W = jnp.linspace(-1, 1, 64).reshape(8, 8)
 X = jnp.ones((8, 8))

@@ -27,7 +27,7 @@ from oocjax.schedule.in_core import in_core_bytes
 from oocjax.schedule.recompute import choose_recompute
 from oocjax.schedule.rewrite import Rewrite, hoisted, recompute_program, runs_after
 from oocjax.schedule.synthetic import layered_training_step
-from tests.programs import MiB, mlp_chain, programs
+from tests.support.programs import MiB, mlp_chain, programs
 
 
 def values(program: Program, origin_step=None, origin_buffer=None) -> list[int]:

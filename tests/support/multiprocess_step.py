@@ -1,6 +1,6 @@
 """One process of a two-process data-parallel run, for ``tests/test_multiprocess.py``.
 
-    python -m tests.multiprocess_step <process id> <number of processes> <coordinator port>
+    python -m tests.support.multiprocess_step <process id> <number of processes> <coordinator port>
 
 Each process has 4 virtual CPU devices (``XLA_FLAGS``, set by the parent) and joins the others
 through ``jax.distributed`` with gloo collectives. The step is data parallel over all 8 devices,

@@ -34,8 +34,8 @@ from oocjax.schedule import (
 from oocjax.schedule.chain import check_segments
 from oocjax.schedule.segments import Segment, cut_segments
 from oocjax.schedule.synthetic import layered_training_step
-from tests.programs import MiB, programs
-from tests.test_window_properties import an_offloaded_output_of_a_host_input
+from tests.support.programs import MiB, programs
+from tests.schedule.test_window_properties import an_offloaded_output_of_a_host_input
 
 W, A, B, C, D = range(5)
 
@@ -205,7 +205,7 @@ def test_the_chain_of_a_plan_that_offloads_an_output_twice_consumes_it_before_th
 
 @st.composite
 def training_states(draw) -> Program:
-    """A random program (``tests.programs``) whose donated inputs are all replaced by outputs, as a
+    """A random program (``tests.support.programs``) whose donated inputs are all replaced by outputs, as a
     training step replaces its parameters and optimizer state: a step after the others reads each
     one and a value of the program, and writes its new version. Half of them donate every input."""
     program = draw(programs())

@@ -23,7 +23,7 @@ from oocjax.schedule import (
 )
 from oocjax.schedule.range_max import RangeMax
 from oocjax.schedule.synthetic import layered_training_step
-from tests.programs import MiB, programs
+from tests.support.programs import MiB, programs
 
 
 def in_core_peak(program) -> int:

@@ -13,7 +13,7 @@ from oocjax.schedule import Prefetch, Program, plan_window, required_bytes, simu
 from oocjax.schedule.homes import resident_candidates
 from oocjax.schedule.synthetic import layered_training_step
 from oocjax.schedule.window import _WindowPlanner
-from tests.programs import MiB, mlp_chain
+from tests.support.programs import MiB, mlp_chain
 
 
 def ids(program: Program) -> dict[str, int]:

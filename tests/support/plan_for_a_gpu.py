@@ -1,6 +1,6 @@
 """A 7B-sized GPT's training step planned for an H200 from this CPU, for ``tests/test_profile_plans.py``.
 
-Run as ``python -m tests.plan_for_a_gpu`` in a fresh process, so that its peak resident memory is
+Run as ``python -m tests.support.plan_for_a_gpu`` in a fresh process, so that its peak resident memory is
 the planning's alone: it prints one JSON object of what it planned and measured, and the parent
 test asserts on it. The state (parameters and AdamW's moments, float32) is abstract
 (``jax.eval_shape``): 85 GiB of it, more than this machine has.

@@ -10,7 +10,7 @@ from oocjax.schedule import window as window_module
 from oocjax.schedule.ranges import coarse_program, plan_in_ranges, ranges_within
 from oocjax.schedule.segments import _Segmenter
 from oocjax.schedule.synthetic import layered_training_step
-from tests.programs import MiB
+from tests.support.programs import MiB
 
 
 def state_bytes(program) -> int:

@@ -18,7 +18,7 @@ from oocjax.schedule import (
 )
 from oocjax.schedule.cost import simulate_time
 from oocjax.schedule.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, resolve_profile
-from tests.programs import mlp_chain, programs
+from tests.support.programs import mlp_chain, programs
 
 
 @given(programs())

@@ -11,7 +11,7 @@ import pytest
 import oocjax
 from oocjax import ooc_jit
 from oocjax.transforms.execute import observe_segments
-from tests import zoo
+from tests.support import zoo
 
 FRACTIONS = {"moves nothing": 1.0, "moves values": 0.35}
 

@@ -17,8 +17,8 @@ from oocjax.schedule.synthetic import layered_training_step
 from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.recompute import recomputable_steps
 from oocjax.transforms.trace import trace_step
-from tests import zoo
-from tests.programs import programs
+from tests.support import zoo
+from tests.support.programs import programs
 
 MiB = 2**20
 
