@@ -35,14 +35,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from oocjax.schedule import keep_all, plan_window, simulate, simulate_time, validate
+from oocjax.schedule import chain_of, keep_all, plan_window, simulate, simulate_time, validate
 from oocjax.schedule.hybrid import plan_hybrid
 from oocjax.schedule.segments import cut_segments
 from oocjax.transforms.analyse import to_program
 from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.flatten import flatten
 from oocjax.transforms.recompute import apply_rewrite, recomputable_steps
-from oocjax.transforms.segment import chain_function, chain_jaxpr, flat_chain, segment_functions
+from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
 
 if __package__ in (None, ""):  # run as ``python benchmarks/plan_vs_trace.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -129,7 +129,7 @@ def main() -> None:
     def rewrite_chain():
         functions = segment_functions(planned_flat, segments)
         kinds = ["pinned_host" if b in schedule.host_inputs else "device" for b in range(planned_flat.num_inputs)]
-        chain = flat_chain(planned_flat, schedule, segments)
+        chain = chain_of(choice.program, schedule, segments, planned_flat.result_buffers)
         return chain_jaxpr(chain_function(planned_flat, chain, functions), planned_flat, kinds)
 
     rewrite_s, _ = best_of(1, rewrite_chain)

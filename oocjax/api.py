@@ -21,11 +21,12 @@ from oocjax.donation import consumed_note, delete_donated_originals, delete_unre
 from oocjax.errors import OocError
 from oocjax.nested import warn_nested
 from oocjax.options import PlannerOptions, read_settings
-from oocjax.pipeline import MAX_RUNTIME_REPLANS, StepPlanner
+from oocjax.pipeline import MAX_RUNTIME_REPLANS, Seams, StepPlanner
 from oocjax.placement import device_if_on_host, nbytes, on_host, place_arguments, to_device, to_host
 from oocjax.plan import Plan
 from oocjax.refusals import state_returned_on_the_device
 from oocjax.schedule.profiles import DeviceProfile, resolve_profile
+from oocjax.timings import Timings
 from oocjax.transforms.segment import segment_specs
 from oocjax.transforms.trace import TracedStep, trace_arguments
 
@@ -96,8 +97,10 @@ def ooc_jit(
 class OocJitted:
     """The result of ``ooc_jit``: call it like the jitted step; ``plan`` and ``lower`` inspect it."""
 
-    def __init__(self, arguments: ArgumentSpec, *, budget_bytes: int, options: PlannerOptions):
-        self.arguments = arguments
+    def __init__(
+        self, arguments: ArgumentSpec, *, budget_bytes: int, options: PlannerOptions, seams: Seams | None = None
+    ):
+        self.arguments, self.seams = arguments, seams or Seams()  # seams: the planner's stages, for tests to replace
         self.fun = arguments.fun
         self.budget_bytes = budget_bytes
         self.options = options
@@ -200,9 +203,11 @@ class OocJitted:
         the caller holds on the device and the profile planned for (None: this device); ``leaves``
         are the arguments' dynamic leaves, if the caller has flattened them already."""
         with self._lock:
+            timings = Timings()
             signature = self.arguments.signature(args, kwargs)
             if signature not in self._traces:
                 self._traces[signature] = trace_arguments(self.arguments, args, kwargs)
+                timings.done("trace")
             traced = self._traces[signature]
             if leaves is None:
                 leaves = self.arguments.dynamic_leaves(args, kwargs)
@@ -210,9 +215,9 @@ class OocJitted:
             key = signature, held, profile
             if key not in self._planners:
                 in_use = sum(nbytes(x) for x in leaves if on_host(x))
-                settings = dict(held_by_caller=held, host_bytes_in_use=in_use, profile=profile)
+                settings = dict(held_by_caller=held, host_bytes_in_use=in_use, profile=profile, timings=timings)
                 try:
-                    planner = StepPlanner(traced, self.budget_bytes, self.options, **settings)
+                    planner = StepPlanner(traced, self.budget_bytes, self.options, **settings, seams=self.seams)
                 except OocError as error:  # says so where the held leaves came back from an earlier call
                     earlier = [h for (s, h, p) in self._planners if s == signature and p == profile]
                     state_returned_on_the_device(error, _name(self.fun), self.arguments, earlier, held, (args, kwargs))

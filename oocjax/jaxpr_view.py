@@ -116,7 +116,8 @@ def _segment_blocks(plan: Plan) -> list[list[str]]:
 
     blocks = []
     costs = plan.segment_costs or (None,) * len(plan.segments)
-    for i, operations in chain_of(plan.program, plan.schedule, plan.segments).by_segment():
+    chain = plan.chain or chain_of(plan.program, plan.schedule, plan.segments)  # a plan built by hand has none
+    for i, operations in chain.by_segment():
         segment, lines = plan.segments[i], []
         for op in operations:
             if isinstance(op, Wait):

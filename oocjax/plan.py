@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import oocjax.plan_json as plan_json
-from oocjax.schedule import MemoryTimeline, Program, Schedule, format_bytes, keep_all, simulate
+from oocjax.schedule import Chain, MemoryTimeline, Program, Schedule, format_bytes
 from oocjax.schedule.profiles import DeviceProfile
 from oocjax.schedule.segments import Segment, SegmentCost
 from oocjax.schedule.units import counted
@@ -75,11 +75,14 @@ class Plan:
       jaxpr: the step as it runs: segment calls (``jit`` equations named ``segment_<i>``, each
         holding its part of the step) with the transfers and waits between them, in execution
         order; the traced step itself when nothing moves. Traced when first read (it is for
-        people: the executor runs records, ``transforms.segment.Chain``).
+        people: the executor runs ``chain``).
       source_jaxpr: the step as traced.
       program, schedule, timeline, baseline_timeline: the planner's view, for tools and plots.
       segments: the compiled programs the step runs as, in order (empty when nothing moves: then
         the step is ``jax.jit``'s own program).
+      chain: those segments with the waits and transfers around them, in the order they run
+        (``schedule.Chain``): the very value the executor runs and the simulator's chain check
+        replayed; None when nothing moves.
       segment_costs: per segment, its compiled program's own memory (``memory_analysis``).
       executed_peak_bytes: the chain's device peak from those measurements: per segment, what the
         executor holds when it launches it plus what its program allocates. None when nothing moves.
@@ -115,6 +118,8 @@ class Plan:
         (``"transpose Block"``) and update (``"update Block"``), where layers were found.
       in_core_time_s: the simulated step time on the same profile with nothing moved or
         recomputed, as ``jax.jit`` would run it on a device large enough (None where not planned).
+      timings: ``(stage, seconds)`` per stage of making the plan, in order (trace, layers, plan,
+        cut, compile, measure, re-plans, build), as the ``oocjax`` logger recorded them at INFO.
     """
 
     budget_bytes: int
@@ -148,6 +153,8 @@ class Plan:
     swap_only_moved_bytes: int | None = None
     in_core_time_s: float | None = None
     layers: tuple[tuple[int, int, str], ...] = ()
+    chain: Chain | None = None
+    timings: tuple[tuple[str, float], ...] = ()
 
     @functools.cached_property
     def jaxpr(self) -> Any:
@@ -159,21 +166,20 @@ class Plan:
         *,
         program: Program,
         schedule: Schedule,
+        timeline: MemoryTimeline,
+        baseline_timeline: MemoryTimeline,
         jaxpr: Any,
         source_jaxpr: Any,
         budget_bytes: int | None = None,
-        in_core_program: Program | None = None,
         rewrite: Any = None,
         **measured: Any,
     ) -> Plan:
-        """The plan of ``schedule`` for ``program``, simulated; ``measured`` sets the fields that
-        come from tracing, compiling and running it (``segments``, ``segment_costs``,
-        ``executed_peak_bytes``, ``attempts``, ``input_kinds``, ``headroom_bytes``, ``loops``, ``device``).
-        ``in_core_program`` is the step as traced, where ``program`` has learnt measured scratch:
-        the in-core estimate stays that of the step, whatever the plans made on the way.
+        """The plan of ``schedule`` for ``program`` with its ``timeline`` (the replay it was checked
+        with) and the in-core ``baseline_timeline`` of the step as traced; ``measured`` sets the
+        fields that come from tracing, compiling and running it (``chain``, ``segments``,
+        ``segment_costs``, ``executed_peak_bytes``, ``attempts``, ``input_kinds``, ...).
         ``rewrite`` (``schedule.Rewrite``) says which values ``program`` recomputes. ``jaxpr`` is
         the jaxpr, or a function of nothing that traces it when first read."""
-        timeline = simulate(program, schedule)
         fetches = {b: [p.issue_step for p in ps] for b, ps in schedule.prefetches_by_buffer.items()}
         buffers = program.buffers
         offloads = tuple(
@@ -189,12 +195,10 @@ class Plan:
             HostInputInfo(label=buffers[b].label, nbytes=buffers[b].nbytes, prefetch_before=tuple(fetches.get(b, ())))
             for b in sorted(schedule.host_inputs)
         )
-        traced = program if in_core_program is None else in_core_program
-        baseline = simulate(traced, keep_all(traced))
         return cls(
             budget_bytes=schedule.budget_bytes if budget_bytes is None else budget_bytes,
             peak_bytes=timeline.peak_bytes,
-            baseline_peak_bytes=baseline.peak_bytes,
+            baseline_peak_bytes=baseline_timeline.peak_bytes,
             host_peak_bytes=timeline.host_peak_bytes,
             offloads=offloads,
             host_inputs=host_inputs,
@@ -204,7 +208,7 @@ class Plan:
             program=program,
             schedule=schedule,
             timeline=timeline,
-            baseline_timeline=baseline,
+            baseline_timeline=baseline_timeline,
             recomputed=() if rewrite is None else _recomputed(program, rewrite),
             extra_flops=0 if rewrite is None else rewrite.extra_flops,
             **measured,

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jaxlib
 
-from oocjax.settled import SettledPlan
+from oocjax.schedule.settled import SettledPlan
 
 FORMAT = 2  # bumped when what an entry holds changes
 
@@ -83,6 +83,15 @@ def key(*parts: Any) -> str | None:
     device = jax.local_devices()[0]
     seen = (FORMAT, _source_digest(), jax.__version__, jaxlib.__version__, device.platform, device.device_kind, parts)
     return hashlib.sha256(repr(seen).encode()).hexdigest()
+
+
+def placement(layout: Any) -> tuple | None:
+    """What a stored plan of a step on a mesh was compiled for: every buffer's sharding, the mesh's
+    devices in order, and this process (compiled programs name their devices)."""
+    if layout is None:
+        return None
+    devices = tuple(d.id for d in layout.replicated.mesh.devices.flat)
+    return repr(layout.shardings), devices, jax.process_index(), jax.process_count()
 
 
 def load(name: str | None) -> Entry | None:

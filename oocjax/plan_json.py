@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from oocjax.schedule import Buffer, Offload, Prefetch, Program, Schedule, Step
+from oocjax.schedule import Buffer, Offload, Prefetch, Program, Schedule, Step, chain_of, keep_all, simulate
 from oocjax.schedule.segments import GatheringStep, Segment, SegmentCost
 
 if TYPE_CHECKING:
@@ -68,9 +68,14 @@ def loads(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
             "this plan was saved without its program and schedule, which rebuilding a Plan needs: save it with "
             "plan.to_json(full=True); a summary reads as plain JSON (json.loads)"
         )
+    program, schedule = _read_program(data["program"]), _read_schedule(data["schedule"])
+    segments = tuple(_read_segment(segment) for segment in data.get("chain", ()))
     built = dict(
-        program=_read_program(data["program"]),
-        schedule=_read_schedule(data["schedule"]),
+        program=program,
+        schedule=schedule,
+        timeline=simulate(program, schedule),
+        baseline_timeline=simulate(program, keep_all(program)),  # restored as saved below
+        chain=chain_of(program, schedule, segments) if segments else None,
         jaxpr=None,
         source_jaxpr=None,
         budget_bytes=data.get("budget_bytes"),
@@ -84,7 +89,7 @@ def loads(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
         swap_only_moved_bytes=data.get("swap_only_moved_bytes"),
         in_core_time_s=data.get("in_core_time_s"),
         recomputed_by_block=data.get("recomputed_by_block", False),
-        segments=tuple(_read_segment(segment) for segment in data.get("chain", ())),
+        segments=segments,
         segment_costs=tuple(SegmentCost(**cost) for cost in data.get("segment_costs", ())),
         input_kinds=tuple(data.get("input_kinds", ())),
         headroom_bytes=data.get("headroom_bytes", 0),

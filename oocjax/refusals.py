@@ -14,7 +14,7 @@ from oocjax.budget import Budget
 from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.host_limit import PINNED_POOL_VARIABLE, HostLimit
 from oocjax.options import HOST_MARGIN, PlannerOptions
-from oocjax.schedule import Program, Schedule, format_bytes, required_bytes, simulate
+from oocjax.schedule import Program, format_bytes, required_bytes
 from oocjax.schedule.segments import Segment, SegmentCost
 from oocjax.transforms import _compat as jc
 
@@ -49,13 +49,12 @@ def refuse_invalid(what: str, violations: tuple) -> None:
         )
 
 
-def check_host_peak(program: Program, schedule: Schedule, limit: HostLimit, copies: int = 1) -> None:
+def check_host_peak(host_peak_bytes: int, limit: HostLimit, copies: int = 1) -> None:
     """Host memory is finite too: a plan whose host copies would not fit is refused before it runs.
-    The plan's figures are per device; this process holds them for each of its ``copies`` devices."""
-    if limit.bytes is None:
-        return
-    host_peak = simulate(program, schedule).host_peak_bytes * copies
-    if host_peak > limit.bytes:
+    The plan's figures (``host_peak_bytes``, its timeline's) are per device; this process holds
+    them for each of its ``copies`` devices."""
+    host_peak = host_peak_bytes * copies
+    if limit.bytes is not None and host_peak > limit.bytes:
         raise OocError(host_peak_message(host_peak, limit))
 
 

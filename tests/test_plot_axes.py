@@ -3,7 +3,7 @@
 import pytest
 
 from oocjax.plan import Plan
-from oocjax.schedule import plan_window
+from oocjax.schedule import keep_all, plan_window, simulate
 from tests.support.programs import MiB, mlp_chain
 from tests.test_views import wide_plan
 
@@ -15,7 +15,9 @@ plt = pytest.importorskip("matplotlib.pyplot")
 @pytest.fixture
 def plan() -> Plan:
     program = mlp_chain()
-    return Plan.build(program=program, schedule=plan_window(program, 16 * MiB), jaxpr=None, source_jaxpr=None)
+    schedule = plan_window(program, 16 * MiB)
+    timelines = dict(timeline=simulate(program, schedule), baseline_timeline=simulate(program, keep_all(program)))
+    return Plan.build(program=program, schedule=schedule, jaxpr=None, source_jaxpr=None, **timelines)
 
 
 @pytest.fixture(autouse=True)

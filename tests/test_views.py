@@ -14,7 +14,7 @@ import pytest
 
 from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax.plan import Plan
-from oocjax.schedule import plan_window
+from oocjax.schedule import keep_all, plan_window, simulate
 from oocjax.timeline_svg import svg_timeline
 from tests.support.programs import MiB, mlp_chain
 from tests.support.zoo import transformer_dropout_adamw
@@ -24,7 +24,9 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 def chain_plan() -> Plan:
     program = mlp_chain()
-    return Plan.build(program=program, schedule=plan_window(program, 16 * MiB), jaxpr=None, source_jaxpr=None)
+    schedule = plan_window(program, 16 * MiB)
+    timelines = dict(timeline=simulate(program, schedule), baseline_timeline=simulate(program, keep_all(program)))
+    return Plan.build(program=program, schedule=schedule, jaxpr=None, source_jaxpr=None, **timelines)
 
 
 def test_the_repr_is_one_line_with_peak_budget_in_core_offloads_host_kept_arguments_and_traffic():

@@ -5,15 +5,19 @@ Nothing here imports jax or numpy, so plans are cheap to compute and to test.
 
 from oocjax.schedule.baselines import fixed_lookahead, keep_all, swap_all_just_in_time
 from oocjax.schedule.bounds import PressureBound, pressure_bound
-from oocjax.schedule.chain import check_segments
+from oocjax.schedule.chain import Chain, chain_of, check_chain, check_segments
 from oocjax.schedule.cost import TimedResult, simulate_time
 from oocjax.schedule.feasibility import check_feasible, required_bytes
+from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
+from oocjax.schedule.measured import estimated_costs, executed_peak, with_measured_scratch, with_probed_scratch
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, resolve_profile
 from oocjax.schedule.program import Buffer, Program, Stay, Step, Uses
 from oocjax.schedule.recompute import choose_recompute
-from oocjax.schedule.rewrite import Rewrite, recompute_program
-from oocjax.schedule.simulate import MemoryTimeline, Violation, simulate, validate
+from oocjax.schedule.rewrite import Rewrite, recompute_program, runs_after
+from oocjax.schedule.segments import CutOptions, Segment, SegmentCost, cut_segments, unfitted_ranges
+from oocjax.schedule.settled import SettledPlan
+from oocjax.schedule.simulate import MemoryTimeline, Violation, replay, simulate, validate
 from oocjax.schedule.units import MiB, format_bytes, parse_bytes
 from oocjax.schedule.window import plan_window
 
@@ -21,7 +25,10 @@ __all__ = [
     "DEFAULT_PROFILE",
     "PROFILES",
     "Buffer",
+    "Chain",
+    "CutOptions",
     "DeviceProfile",
+    "HybridPlan",
     "MemoryTimeline",
     "MiB",
     "Move",
@@ -31,25 +38,39 @@ __all__ = [
     "Program",
     "Rewrite",
     "Schedule",
+    "Segment",
+    "SegmentCost",
+    "SettledPlan",
     "Stay",
     "Step",
     "TimedResult",
     "Uses",
     "Violation",
+    "chain_of",
+    "check_chain",
     "check_feasible",
     "check_segments",
     "choose_recompute",
+    "cut_segments",
+    "estimated_costs",
+    "executed_peak",
     "fixed_lookahead",
     "format_bytes",
     "keep_all",
     "parse_bytes",
+    "plan_hybrid",
     "plan_window",
     "pressure_bound",
     "recompute_program",
+    "replay",
     "required_bytes",
     "resolve_profile",
+    "runs_after",
     "simulate",
     "simulate_time",
     "swap_all_just_in_time",
+    "unfitted_ranges",
     "validate",
+    "with_measured_scratch",
+    "with_probed_scratch",
 ]

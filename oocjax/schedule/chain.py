@@ -1,11 +1,11 @@
 """The chain: a cut step's segments in the order they run, with the waits, transfers and drops
 around each launch, as one pure value.
 
-Every reader of that order reads this value and nothing else: the executor
-(``transforms.execute``) runs its operations, the view (``transforms.segment.chain_function``, the
-jaxpr ``Plan.jaxpr`` shows) traces them, the replay (``check_segments``) follows them on a fake
-device, and the printer (``render``) lists them. The order at a segment boundary is therefore
-written once, here, in ``build_chain``:
+A plan carries one such value (``Plan.chain``), built once, and every reader of that order reads
+it: the executor (``transforms.execute``) runs its operations, the view
+(``transforms.segment.chain_function``, the jaxpr ``Plan.jaxpr`` shows) traces them, the replay
+(``check_chain``) follows them on a fake device, and the printer (``jaxpr_view``) lists them. The
+order at a segment boundary is therefore written once, here, in ``build_chain``:
 
     wait (offloads whose device memory the launch needs), prefetch, launch, offload
 
@@ -144,16 +144,19 @@ def build_chain(
     )
 
 
-def chain_of(program: Program, schedule: Schedule, segments: Sequence[Segment]) -> Chain:
-    """The chain of a planned program cut into ``segments``: its inputs are its arguments and its
-    outputs its results, in buffer order."""
+def chain_of(
+    program: Program, schedule: Schedule, segments: Sequence[Segment], results: Sequence[int | None] | None = None
+) -> Chain:
+    """The chain of a planned program cut into ``segments``: its inputs are its arguments in buffer
+    order, its ``results`` the step's result buffers in order (None for a literal; by default its
+    outputs in buffer order)."""
     buffers = program.buffers
     return build_chain(
         segments,
         num_buffers=len(buffers),
         arguments=[b for b, buffer in enumerate(buffers) if buffer.kind == "input"],
         host_inputs=schedule.host_inputs,
-        results=[b for b, buffer in enumerate(buffers) if buffer.is_output],
+        results=[b for b, buffer in enumerate(buffers) if buffer.is_output] if results is None else results,
         host_outputs=schedule.host_outputs,
         donated=_given_up(program, schedule),
     )
@@ -224,7 +227,11 @@ def check_segments(program: Program, schedule: Schedule, segments: Sequence[Segm
      'buffer 2 (z) is returned on the device, but it is not on the device: it is not an output of
       any segment so far, and no prefetch brings it in']
     """
-    chain = chain_of(program, schedule, segments)
+    return check_chain(program, chain_of(program, schedule, segments))
+
+
+def check_chain(program: Program, chain: Chain) -> tuple[Violation, ...]:
+    """Every way ``chain`` would fail to run (``check_segments``): the replay of that very value."""
     replay = _ChainReplay(program, chain)
     replay.check_order()
     for operation in chain.operations:

@@ -5,56 +5,13 @@ cut that are worth compiling whole to measure (``segments.cut_segments`` takes w
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from itertools import pairwise
 
-from oocjax.schedule.layer_cuts import segment_signature
 from oocjax.schedule.moves import Schedule
 from oocjax.schedule.program import Program
-from oocjax.schedule.segments import Segment, SegmentCost, _bounds, _mixes, _Segmenter
+from oocjax.schedule.segments import Segment, SegmentCost
 from oocjax.schedule.simulate import simulate
-
-# A range the estimate cuts is compiled whole, to be measured, only where it would fit with what it
-# allocates estimated this much lower: XLA reuses memory inside a program that the estimate, adding
-# up values step by step, cannot see (a decoder layer's backward pass measured 15% under it, its
-# forward pass 35%), and a range far over is not worth a compile thrown away.
-PROBE_SLACK = 0.25
-
-
-def unfitted_ranges(
-    program: Program,
-    schedule: Schedule,
-    segments: Sequence[Segment],
-    *,
-    budget_bytes: int,
-    min_segment_flops: int = 0,
-    min_segments: int = 1,
-    cut_before: Iterable[int] = (),
-    layers: Sequence[tuple[int, int, str]] = (),
-    copies: Sequence[tuple[int, int]] = (),
-    measured: Mapping[tuple, int] | None = None,
-) -> dict[tuple, Segment]:
-    """The ranges between cuts (``cut_segments``' arguments) that ``segments`` cut into pieces by
-    the estimate and that might fit whole (``PROBE_SLACK``), each as one segment by its
-    ``segment_signature``, one per signature not in ``measured``: to compile and measure, then cut
-    again with ``measured``. On the 4-layer decoder of ``examples/decoders.py`` at 30% of its
-    in-core peak, a layer's backward pass estimated at 7.40 MB measured 6.28 MB; two of the four
-    backward layers were cut into 6 and 10 pieces by the estimate, each a program to compile."""
-    if min_segments > 1:
-        return {}  # cut for a count: as the estimate says
-    cutter, whole, probes = _Segmenter(program, schedule), {(s.start, s.stop) for s in segments}, {}
-    bounds, _ = _bounds(program, schedule, min_segments, cut_before, layers, min_segment_flops)
-    original_of = dict((c, o) for o, c in copies)
-    for a, y in pairwise(bounds):
-        if (a, y) in whole or not cutter.fits_as_one(a, y) or _mixes(a, y, original_of):
-            continue
-        held, estimate = cutter.estimate(a, y)
-        if held + (1 - PROBE_SLACK) * (estimate - held) <= budget_bytes < estimate:
-            signature = segment_signature(program, a, y)
-            if signature not in (measured or {}):
-                probes.setdefault(signature, cutter.segment(a, y, None))
-    return probes
 
 
 def executed_peak(segments: tuple[Segment, ...], costs: tuple[SegmentCost, ...]) -> tuple[int, int | None]:

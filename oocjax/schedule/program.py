@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
@@ -208,6 +208,15 @@ class Program:
     def _check_id(self, b: int, index: int) -> None:
         if not 0 <= b < len(self.buffers):
             raise ValueError(f"step {index} names buffer {b}, but there are {len(self.buffers)} buffers")
+
+    def with_held_by_caller(self, held: Sequence[bool]) -> Program:
+        """The program with the arguments ``held`` marks as held by the caller (``Buffer.held_by_caller``)."""
+        if not any(held):
+            return self
+        buffers = tuple(
+            replace(x, held_by_caller=True) if b < len(held) and held[b] else x for b, x in enumerate(self.buffers)
+        )
+        return Program(steps=self.steps, buffers=buffers)
 
     @classmethod
     def from_ops(

@@ -57,15 +57,19 @@ class Violation:
 
 def simulate(program: Program, schedule: Schedule) -> MemoryTimeline:
     """Device and host bytes per step under ``schedule``."""
-    with gc_paused():
-        return _replay(program, schedule)[0]
+    return replay(program, schedule)[0]
 
 
 def validate(program: Program, schedule: Schedule) -> tuple[Violation, ...]:
     """Every violation at once: reads of values not on the device, prefetches without a ready host
     copy, copies released before they complete, device bytes above the budget. Empty when valid."""
+    return replay(program, schedule)[1]
+
+
+def replay(program: Program, schedule: Schedule) -> tuple[MemoryTimeline, tuple[Violation, ...]]:
+    """``schedule`` followed on ``program`` once: its memory timeline and its violations."""
     with gc_paused():
-        return _replay(program, schedule)[1]
+        return _replay(program, schedule)
 
 
 def _replay(program: Program, schedule: Schedule) -> tuple[MemoryTimeline, tuple[Violation, ...]]:

@@ -16,7 +16,7 @@ from typing import Any
 from oocjax.schedule.segments import Segment, SegmentCost
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.flat import FlatProgram
-from oocjax.transforms.segment import _donated, segment_key, segment_specs
+from oocjax.transforms.segment import donated_inputs, segment_key, segment_specs
 from oocjax.transforms.shardings import Layout
 
 
@@ -42,7 +42,7 @@ def compile_segments(
     allocates): one program to compile where donation made two. The executor still lets go of
     what the plan gave up after the launch."""
     cache = {} if cache is None else cache
-    own = [(_equations_key(flat, segment, layout), _donated(segment)) for segment in segments]
+    own = [(_equations_key(flat, segment, layout), donated_inputs(segment)) for segment in segments]
     donations: dict[tuple, set] = {}
     for equations, donated in own:
         donations.setdefault(equations, set()).add(donated)
@@ -83,7 +83,7 @@ def _compile_new(
         # A donated argument no output can reuse is still freed after the segment: not worth a warning.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         for segment, function, key in zip(segments, functions, keys, strict=True):
-            if key in cache or key in compiling or key[1] != _donated(segment):
+            if key in cache or key in compiling or key[1] != donated_inputs(segment):
                 continue
             traced = function.trace(*segment_specs(flat, segment, layout))
             # Compiled while the next segments are keyed, traced and lowered (Python, holding the GIL).

@@ -40,6 +40,16 @@ class FlatProgram:
     # jit): the name its user calls it by, for its label.
     result_names: tuple[tuple[int, str], ...] = ()
 
+    @property
+    def result_buffers(self) -> tuple[int | None, ...]:
+        """Per result of the step, in order, its buffer (None for a literal)."""
+        return tuple(r if type(r) is int else None for r in self.outputs)
+
+    @property
+    def recomputed_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(original, copy) per recomputed equation."""
+        return tuple((fe.recompute_of, k) for k, fe in enumerate(self.equations) if fe.recompute_of is not None)
+
 
 def dataflow(flat: FlatProgram) -> tuple[list[list[int]], list[tuple[int, ...]]]:
     """Per equation, the buffers it reads (literals left out) and those it writes."""

@@ -29,8 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from oocjax.schedule import Schedule
-from oocjax.schedule.chain import Chain, Launch, Operation, Prefetch, Wait, build_chain
+from oocjax.schedule.chain import Chain, Launch, Operation, Prefetch, Wait
 from oocjax.schedule.segments import Segment, SegmentCost
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.flat import FlatEquation, FlatProgram
@@ -193,22 +192,6 @@ def chain_function(
     return run
 
 
-def flat_chain(
-    flat: FlatProgram, schedule: Schedule, segments: Sequence[Segment], donated: Sequence[bool] = ()
-) -> Chain:
-    """The chain of a traced step cut into ``segments``: the step's flat arguments (``donated``
-    per argument) and results."""
-    return build_chain(
-        segments,
-        num_buffers=len(flat.avals),
-        arguments=range(flat.num_inputs),
-        host_inputs=schedule.host_inputs,
-        results=[None if isinstance(r, jc.Literal) else r for r in flat.outputs],
-        host_outputs=schedule.host_outputs,
-        donated={b for b, gave in enumerate(donated) if gave},
-    )
-
-
 def _result(flat: FlatProgram, chain: Chain, slots: Sequence[Any]) -> Iterator[Any]:
     for r, slot in zip(flat.outputs, chain.result_slots, strict=True):
         yield r.val if slot is None else slots[slot]
@@ -334,7 +317,8 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-def _donated(segment: Segment) -> tuple[bool, ...]:
+def donated_inputs(segment: Segment) -> tuple[bool, ...]:
+    """Per input of ``segment``, whether its memory may be reused for the outputs."""
     return tuple(b in segment.donated for b in segment.inputs)
 
 

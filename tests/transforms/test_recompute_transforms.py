@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from oocjax import ooc_jit, to_device
-from oocjax.schedule import keep_all
+from oocjax.schedule import chain_of, keep_all
 from oocjax.schedule.rewrite import recompute_program
 from oocjax.schedule.segments import cut_segments
 from oocjax.transforms import analyse
 from oocjax.transforms.analyse import to_program
 from oocjax.transforms.recompute import apply_rewrite, recomputable_steps, why_not_recomputable
-from oocjax.transforms.segment import chain_function, flat_chain, segment_functions
+from oocjax.transforms.segment import chain_function, segment_functions
 from oocjax.transforms.trace import trace_step
 
 W1 = jnp.linspace(-1, 1, 64 * 32).reshape(64, 32)
@@ -199,7 +199,9 @@ def test_the_rewritten_step_computes_what_jax_jit_computes(segments):
     schedule = keep_all(rewrite.program)
     cut = cut_segments(rewrite.program, schedule, budget_bytes=2**62, min_segments=segments)
     assert len(cut) == segments
-    chain = chain_function(flat, flat_chain(flat, schedule, cut), segment_functions(flat, cut))
+    chain = chain_function(
+        flat, chain_of(rewrite.program, schedule, cut, flat.result_buffers), segment_functions(flat, cut)
+    )
     loss, (g1, g2) = jax.jit(MLP_STEP)(W1, W2, X)
     for actual, expected in zip(chain(W1, W2, X), (loss, g1, g2)):
         np.testing.assert_allclose(np.asarray(actual), np.asarray(expected), rtol=1e-6, atol=1e-7)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from oocjax.schedule import Program, Schedule
+from oocjax.schedule.chain import Chain
 from oocjax.schedule.hybrid import HybridPlan
+from oocjax.schedule.moves import Schedule
+from oocjax.schedule.program import Program
 from oocjax.schedule.segments import Segment, SegmentCost
+from oocjax.schedule.simulate import MemoryTimeline
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,7 +25,10 @@ class SettledPlan:
         swap; its ``rewrite`` says which values the step recomputes.
       program, schedule: the program as last planned (with the scratch its compiled segments
         measured) and its schedule.
-      segments: the chain of segments the step runs as; empty when it runs as ``jax.jit``'s one program.
+      timeline: the schedule's memory, from its one replay (``schedule.replay``).
+      segments: the segments the step runs as; empty when it runs as ``jax.jit``'s one program.
+      chain: those segments with their transfers, in the order they run (``schedule.chain``):
+        built once, checked, run by the executor and shown by the plan; None without segments.
       costs: per segment, its compiled program's own memory.
       attempts: the executed peak measured for each plan made, in order.
       peak: the chain's executed peak from those measurements (0 without segments).
@@ -34,7 +40,9 @@ class SettledPlan:
     choice: HybridPlan
     program: Program
     schedule: Schedule
+    timeline: MemoryTimeline
     segments: tuple[Segment, ...] = ()
+    chain: Chain | None = None
     costs: tuple[SegmentCost, ...] = ()
     attempts: tuple[int, ...] = ()
     peak: int = 0
