@@ -8,7 +8,6 @@ import os
 import re
 from dataclasses import dataclass
 
-from oocjax.budget import available_host_bytes
 from oocjax.options import HOST_MARGIN, PlannerOptions
 
 # XLA's GPU client (xla/pjrt/gpu/gpu_helpers.cc, GetGpuHostAllocator) sizes its pinned host pool
@@ -49,19 +48,17 @@ class HostLimit:
         return min(figures, default=None)
 
 
-def host_limit(options: PlannerOptions, host_bytes_in_use: int, platform: str, *, here: bool = True) -> HostLimit:
+def host_limit(options: PlannerOptions, host_bytes_in_use: int, platform: str, available: int | None) -> HostLimit:
     """The host memory plans on ``platform`` may use; ``host_bytes_in_use`` is what the arguments
-    already take there (in a plan's host peak, not in what the machine has available). A
-    ``host_budget`` replaces what the machine has available; the pinned pool caps either. A plan
-    made for another machine (``here=False``: a device profile's) knows nothing of that machine's
-    memory, only the pool and ``host_budget``."""
+    already take there (in a plan's host peak, not in what the machine has ``available``: None
+    where unknown, as for a plan made for another machine, a device profile's). A ``host_budget``
+    replaces what the machine has available; the pinned pool caps either."""
     pool = {}
     if platform in GPU_PLATFORMS:
         gib, reading = pinned_pool_gib(os.environ.get(PINNED_POOL_VARIABLE))
         pool = dict(pinned_pool_bytes=gib * 2**30, pinned_pool_reading=reading)
     if options.host_budget is not None:
         return HostLimit(given_bytes=options.host_budget, **pool)
-    available = available_host_bytes() if here else None
     machine = None if available is None else int(available * (1 - HOST_MARGIN)) + host_bytes_in_use
     return HostLimit(machine_bytes=machine, **pool)
 

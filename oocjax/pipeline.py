@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 import oocjax.plan_cache as plan_cache
-from oocjax.budget import Budget
+from oocjax.budget import Budget, available_host_bytes
 from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.host_limit import host_limit
 from oocjax.options import DEFAULT_HEADROOM, PlannerOptions
@@ -102,14 +102,24 @@ class BuiltStep:
         return self.plan.input_kinds
 
 
+def local_platform() -> str:
+    return jax.local_devices()[0].platform
+
+
 @dataclass(frozen=True, slots=True)
 class Seams:
-    """The stages a planner calls that tests replace (a fault injected into a plan, a measurement
-    forced over the budget); every planner uses these defaults otherwise."""
+    """What a planner calls that tests replace (a fault injected into a plan, a measurement forced
+    over the budget, another machine); every planner uses these defaults otherwise. Where
+    ``keeps_programs`` is None, the plan cache keeps compiled programs as ``plan_cache.KEEPS_PROGRAMS``
+    says for the platform."""
 
     plan_window: Callable[..., Schedule] = plan_window
     compile_segments: Callable[..., tuple] = compile_segments
     executed_peak: Callable[..., tuple[int, int | None]] = executed_peak
+    check_chain: Callable[..., tuple] = check_chain
+    platform: Callable[[], str] = local_platform
+    available_host_bytes: Callable[[], int | None] = available_host_bytes
+    keeps_programs: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +188,14 @@ class StepPlanner:
     ):
         if profile is not None:  # the defaults of the profile's platform, not this machine's
             options = options.for_platform(profile.platform, budget_bytes)
-        self.traced, self.options, self.held_by_caller, self.seams = traced, options, held_by_caller, seams or Seams()
+        seams = seams or Seams()
+        self.traced, self.options, self.held_by_caller, self.seams = traced, options, held_by_caller, seams
         self.profile = profile
-        self.platform = jax.local_devices()[0].platform if profile is None else profile.platform
+        self.platform = seams.platform() if profile is None else profile.platform
         self.program = traced.program.with_held_by_caller(held_by_caller)
         self.in_core = simulate(traced.program, keep_all(traced.program))
-        self.host_limit = host_limit(options, host_bytes_in_use, self.platform, here=profile is None)
+        available = seams.available_host_bytes() if profile is None else None  # a profile's machine: unknown
+        self.host_limit = host_limit(options, host_bytes_in_use, self.platform, available)
         # On a mesh every byte figure is per device, and this process keeps host copies for each of its devices.
         self.local_copies = 1 if traced.layout is None else len(traced.layout.replicated.addressable_devices)
         self.compiled: dict = {}
@@ -239,7 +251,9 @@ class StepPlanner:
             return self._finish(budget, settled, rewritten, programs or (), functions, timings)
         built, settled = self._make(budget, timings)
         if name is not None:
-            plan_cache.store(name, plan_cache.Entry.of(settled, built.programs, self.platform))
+            keeps = self.seams.keeps_programs
+            keeps = plan_cache.KEEPS_PROGRAMS.get(self.platform, True) if keeps is None else keeps
+            plan_cache.store(name, plan_cache.Entry.of(settled, built.programs if keeps else ()))
         return built
 
     def _make(self, budget: Budget, timings: Timings) -> tuple[BuiltStep, SettledPlan]:
@@ -274,7 +288,7 @@ class StepPlanner:
             program, schedule, timeline, cut = self._cut(program, schedule, timeline, cut, rewritten, budget, timings)
             segments = cut_segments(program, schedule, cut)
             chain = chain_of(program, schedule, segments, rewritten.flat.result_buffers)
-            refuse_invalid("chain of segments", check_chain(program, chain))
+            refuse_invalid("chain of segments", self.seams.check_chain(program, chain))
             refuse_tokens_between(segments, rewritten.flat.avals)
             timings.done("cut")
             functions, programs, costs = self._compiled(rewritten, segments, program, budget, timings)

@@ -42,11 +42,10 @@ class Entry:
     program_index: tuple[int, ...]
 
     @classmethod
-    def of(cls, settled: SettledPlan, programs: Sequence[Any], platform: str) -> Entry:
-        """The entry of ``settled`` and its segments' compiled ``programs``, each distinct one serialized
-        once; on a platform whose programs do not survive that (``KEEPS_PROGRAMS``), the plan alone."""
-        if not KEEPS_PROGRAMS.get(platform, True):
-            return cls(settled, (), ())
+    def of(cls, settled: SettledPlan, programs: Sequence[Any]) -> Entry:
+        """The entry of ``settled`` and its segments' compiled ``programs``, each distinct one
+        serialized once (none: the plan alone, as on a platform whose programs do not survive
+        that, ``KEEPS_PROGRAMS``)."""
         distinct = list({id(p): p for p in programs}.values())
         where = {id(p): i for i, p in enumerate(distinct)}
         return cls(settled, tuple(serialize(p) for p in distinct), tuple(where[id(p)] for p in programs))

@@ -16,6 +16,7 @@ from oocjax import BudgetInfeasibleError, OocError, UnsupportedPrimitiveError, o
 from oocjax.budget import resolve_budget
 from oocjax.schedule import format_bytes
 from oocjax.transforms.execute import observe_segments
+from tests.support.seams import REAL, capture_stages, plans_made, with_seams
 
 KiB = 1024
 
@@ -52,37 +53,32 @@ def tight_step(**kw):
     return ooc_jit(mlp_step, budget=in_core * 2 // 5, min_offload_bytes=4 * KiB, **{"recompute": "off", **kw})
 
 
-def test_a_second_call_with_the_same_shapes_neither_traces_nor_plans(monkeypatch):
-    traces, plans = [], []
-    real_plan_window = oocjax.pipeline.plan_window
+def test_a_second_call_with_the_same_shapes_neither_traces_nor_plans(caplog):
+    capture_stages(caplog)
+    traces = []
 
     def counting_step(params, x):
         traces.append(1)
         return mlp_step(params, x)
 
-    def counting_plan_window(*args, **kwargs):
-        plans.append(1)
-        return real_plan_window(*args, **kwargs)
-
-    monkeypatch.setattr(oocjax.pipeline, "plan_window", counting_plan_window)
     in_core = ooc_jit(mlp_step, budget=2**62).plan(PARAMS, X).baseline_peak_bytes
     step = ooc_jit(counting_step, budget=in_core // 2, min_offload_bytes=4 * KiB, donate_argnums=(0,))
     params, _ = step([p.copy() for p in PARAMS], HOST_X)
-    planned = len(plans)
+    planned = plans_made(caplog)
     assert len(traces) == 1 and planned >= 2  # the estimate above planned, and so did this call
     params, _ = step(params, HOST_X)  # the state comes back where the plan keeps it: the same plan fits
     step.plan(params, HOST_X)
-    assert (len(traces), len(plans)) == (1, planned)
+    assert (len(traces), plans_made(caplog)) == (1, planned)
     # The same shapes with the batch in device memory: the caller keeps it there, so the plan
     # differs (it counts the batch on the device), but the trace is the same.
     held = step.plan(params, X)
     assert "argument x" not in {h.label for h in held.host_inputs}
-    assert len(traces) == 1 and len(plans) > planned
-    planned = len(plans)
+    assert len(traces) == 1 and plans_made(caplog) > planned
+    planned = plans_made(caplog)
     step.plan(params, X)
-    assert (len(traces), len(plans)) == (1, planned)
+    assert (len(traces), plans_made(caplog)) == (1, planned)
     step(params, HOST_X[:128])  # a new shape is a new signature
-    assert len(traces) == 2 and len(plans) > planned
+    assert len(traces) == 2 and plans_made(caplog) > planned
 
 
 def test_the_rewritten_jaxpr_has_one_host_transfer_per_offload_and_one_fetch_per_prefetch():
@@ -323,22 +319,22 @@ def test_segments_that_never_fit_raise_naming_the_largest_segment_and_its_lines(
     assert isinstance(caught.value, BudgetInfeasibleError) and caught.value.required_bytes > budget
 
 
-def test_a_chain_that_keeps_measuring_over_the_budget_gives_up_after_the_replan_limit(monkeypatch):
+def test_a_chain_that_keeps_measuring_over_the_budget_gives_up_after_the_replan_limit():
     budget = tight_step().budget_bytes
-    planned, real_plan_window, real_executed_peak = [], oocjax.pipeline.plan_window, oocjax.pipeline.executed_peak
+    planned = []
 
     def counting_plan_window(program, budget_bytes, **options):
         planned.append(budget_bytes)
-        return real_plan_window(program, budget_bytes, **options)
+        return REAL.plan_window(program, budget_bytes, **options)
 
     # STUB: every chain measures a KiB over the budget, whatever was planned; the segments' real
     # costs still feed the re-plans, so every plan stays feasible and only the limit stops the loop.
-    monkeypatch.setattr(oocjax.pipeline, "plan_window", counting_plan_window)
-    monkeypatch.setattr(
-        oocjax.pipeline, "executed_peak", lambda segments, costs: (budget + KiB, real_executed_peak(segments, costs)[1])
-    )
+    def over_by_a_kib(segments, costs):
+        return budget + KiB, REAL.executed_peak(segments, costs)[1]
+
+    step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB, recompute="off")
     with pytest.raises(OocError) as caught:
-        ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB, recompute="off").plan(HOST_PARAMS, HOST_X)
+        with_seams(step, plan_window=counting_plan_window, executed_peak=over_by_a_kib).plan(HOST_PARAMS, HOST_X)
     tries = oocjax.pipeline.MAX_REPLANS + 1
     # Where a range compiled whole to be measured came out over the budget only with what the plan
     # holds at its start, the step is planned around it once more before its chain is compiled.

@@ -15,9 +15,8 @@ import jax
 import numpy as np
 import pytest
 
-import oocjax.pipeline
-import oocjax.plan_cache
 from oocjax import ooc_jit
+from tests.support.seams import capture_stages, logged_stages, plans_made, with_seams
 from tests.support.zoo import mlp_adam
 
 
@@ -54,26 +53,22 @@ def entries(cache_dir) -> list:
 
 
 @pytest.mark.parametrize("keeps_programs", [True, False], ids=["with its programs", "plan alone (a CPU)"])
-def test_a_new_wrapper_reads_the_plan_and_programs_instead_of_planning_and_compiling(
-    cache_dir, monkeypatch, keeps_programs
-):
+def test_a_new_wrapper_reads_the_plan_and_programs_instead_of_planning_and_compiling(cache_dir, caplog, keeps_programs):
     # On a CPU an entry keeps the plan alone (``plan_cache.KEEPS_PROGRAMS``): its segments compile
     # again, through JAX's cache. Elsewhere it keeps the compiled programs too (tried here on a CPU).
-    monkeypatch.setattr(oocjax.plan_cache, "KEEPS_PROGRAMS", {"cpu": keeps_programs})
-    first = make_step()
+    first = with_seams(make_step(), keeps_programs=keeps_programs)
     expected = first(fresh(case().state), case().batches[0])
     plan = first.plan(case().state, case().batches[0])
     assert plan.segments and plan.schedule.moves and len(entries(cache_dir)) == 1
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("planned or compiled again although the cache holds the plan")
-
-    monkeypatch.setattr(oocjax.pipeline, "_choose", refuse)
-    if keeps_programs:
-        monkeypatch.setattr(oocjax.pipeline, "compile_segments", refuse)
+    capture_stages(caplog)
     second = make_step()
     actual = second(fresh(case().state), case().batches[0])
     jax.tree.map(np.testing.assert_array_equal, actual, expected)
+    stages = logged_stages(caplog)
+    assert "read the plan from the plan cache" in stages and plans_made(caplog) == 0, stages
+    compiled = [stage for stage in stages if stage.startswith("compile")]
+    assert len(compiled) == (0 if keeps_programs else 1), stages  # the plan alone: its segments compile once
     again = second.plan(case().state, case().batches[0])
     assert again.segments == plan.segments and again.segment_costs == plan.segment_costs
     assert again.schedule == plan.schedule and again.executed_peak_bytes == plan.executed_peak_bytes
@@ -109,15 +104,15 @@ def test_a_second_process_runs_the_cached_plan_with_the_same_results(tmp_path):
         """
         import sys, jax, numpy as np
         jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-        import oocjax.pipeline
         from oocjax import ooc_jit
+        from tests.support.seams import with_seams
         from tests.support.zoo import mlp_adam
         case = mlp_adam()
         in_core = ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0]).baseline_peak_bytes
-        if sys.argv[2] == "second":  # planning again would fail (on a CPU its segments compile again)
-            oocjax.pipeline._choose = None
         step = ooc_jit(case.step, budget=int(in_core * 0.35), donate_argnums=(0,), recompute="off",
                        min_offload_bytes=4096)
+        if sys.argv[2] == "second":  # planning again would fail (on a CPU its segments compile again)
+            step = with_seams(step, plan_window=None)
         state, metrics = step(case.state, case.batches[0])
         np.save(sys.argv[3], np.asarray(metrics["loss"]))
         """

@@ -12,10 +12,10 @@ import optax
 import pytest
 
 import oocjax
-import oocjax.pipeline
 from oocjax import BudgetInfeasibleError, OocError, ooc_jit
 from oocjax.schedule.simulate import frees_host_state_early
 from oocjax.transforms.execute import observe_segments
+from tests.support.seams import REAL, with_seams
 
 DEPTH, WIDTH, BATCH = 6, 128, 64
 OPTIMIZER = optax.sgd(0.05, momentum=0.9)
@@ -253,18 +253,15 @@ def test_jax_debug_nans_raises_a_floating_point_error_naming_the_operation_and_t
     assert "log" in str(caught.value) + notes and "test_reliability.py:" in notes, (str(caught.value), notes)
 
 
-def test_a_plan_the_simulator_rejects_never_runs_and_the_error_says_why(monkeypatch):
-    real_plan_window = oocjax.pipeline.plan_window
-
+def test_a_plan_the_simulator_rejects_never_runs_and_the_error_says_why():
     def offloading_twice(program, budget_bytes, **options):
-        schedule = real_plan_window(program, budget_bytes, **options)
+        schedule = REAL.plan_window(program, budget_bytes, **options)
         first = schedule.offloads[0]
         again = replace(first, after_step=first.after_step, done_before_step=None)
         return replace(schedule, moves=(*schedule.moves, again))
 
-    monkeypatch.setattr(oocjax.pipeline, "plan_window", offloading_twice)
     state = mlp_state()
     step = ooc_jit(train_step, budget=int(in_core() * 0.4), donate_argnums=(0,), min_offload_bytes="16KiB")
     with pytest.raises(OocError, match=r"its own simulator rejects .*\n  - buffer \d+ .* is offloaded twice"):
-        step(state, batches()[0])
+        with_seams(step, plan_window=offloading_twice)(state, batches()[0])
     assert live_leaves(state) == 24, "nothing ran: the donated state is untouched"

@@ -1,29 +1,29 @@
 """The JAX side of a plan: trace a step, find its layers, rewrite it for what it recomputes, cut it
 into segment functions, compile them and run the chain. The names the pipeline
-(``oocjax.pipeline``) builds a step with are here."""
+(``oocjax.pipeline``) builds a step with are here, each read from its module when first used
+(so that importing one module of this package does not import them all)."""
 
-from oocjax.transforms.calibrate import default_profile
-from oocjax.transforms.compile import compile_segments
-from oocjax.transforms.execute import ChainExecutor
-from oocjax.transforms.flat import FlatProgram
-from oocjax.transforms.layers import layer_runs
-from oocjax.transforms.recompute import apply_rewrite, recomputable_steps
-from oocjax.transforms.segment import chain_function, chain_jaxpr, executable_chain, segment_functions
-from oocjax.transforms.shardings import Layout
-from oocjax.transforms.trace import TracedStep
+import importlib
 
-__all__ = [
-    "ChainExecutor",
-    "FlatProgram",
-    "Layout",
-    "TracedStep",
-    "apply_rewrite",
-    "chain_function",
-    "chain_jaxpr",
-    "compile_segments",
-    "default_profile",
-    "executable_chain",
-    "layer_runs",
-    "recomputable_steps",
-    "segment_functions",
-]
+_MODULE_OF = {
+    "ChainExecutor": "execute",
+    "FlatProgram": "flat",
+    "Layout": "shardings",
+    "TracedStep": "trace",
+    "apply_rewrite": "recompute",
+    "chain_function": "segment",
+    "chain_jaxpr": "segment",
+    "compile_segments": "compile",
+    "default_profile": "calibrate",
+    "executable_chain": "segment",
+    "layer_runs": "layers",
+    "recomputable_steps": "recompute",
+    "segment_functions": "segment",
+}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'oocjax.transforms' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"oocjax.transforms.{_MODULE_OF[name]}"), name)

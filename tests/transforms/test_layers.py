@@ -215,17 +215,15 @@ def test_the_bottom_layer_donating_its_input_runs_the_program_of_the_layers_abov
 
 
 @pytest.mark.parametrize("way", ["linen_auto", "linen_named", "nnx"])
-def test_the_backward_layers_run_one_program_the_top_and_bottom_ones_included(way, monkeypatch):
+def test_the_backward_layers_run_one_program_the_top_and_bottom_ones_included(way):
     """Backward layers alike run one compiled program each, and so do the updates, whichever way the
     plan recomputes: the selector's choices are made alike in them (a bias gradient recomputed for
     the updates of two of four backward layers left those two with programs of their own); the top
     one, whose program measured 7 KB over the budget with what the plan held when it starts, is
     planned around rather than cut in two; and the bottom one's copy of the embedding output,
     recomputed for it, runs before it rather than inside it. The step still trains as ``jax.jit``'s."""
-    from oocjax import ooc_jit, pipeline
+    from oocjax import ooc_jit
 
-    found, runs_after = [], pipeline.runs_after  # the layers as the plan's program has them
-    monkeypatch.setattr(pipeline, "runs_after", lambda *args: found.append(runs_after(*args)) or found[-1])
     step, state, batch = decoder_case(way, DEPTH)
     budget = int(ooc_jit(step, budget=2**62).plan(state, batch).baseline_peak_bytes * 0.3)
     wrapped = ooc_jit(step, budget=budget, donate_argnums=0, min_offload_bytes=4096)
@@ -234,7 +232,7 @@ def test_the_backward_layers_run_one_program_the_top_and_bottom_ones_included(wa
 
     (planner,) = wrapped._planners.values()
     ranges = [(s.start, s.stop) for s in plan.segments]
-    runs = found[-1]
+    runs = plan.layers  # the layers as the plan's program has them
     backward = [(a, y) for a, y, kind in runs if kind.startswith("transpose")]
     updates = [(a, y) for a, y, kind in runs if kind.startswith("update")]
     for alike in (backward, updates) if updates else (backward,):

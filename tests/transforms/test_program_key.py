@@ -47,27 +47,20 @@ def test_a_nested_jaxpr_is_keyed_by_what_it_computes():
 
 
 @pytest.mark.parametrize("case", ["transformer_dropout_adamw", "cnn_batchnorm_momentum"])
-def test_segments_read_off_the_flat_program_share_programs_exactly_when_their_traced_jaxprs_match(case, monkeypatch):
+def test_segments_read_off_the_flat_program_share_programs_exactly_when_their_traced_jaxprs_match(case):
     """``segment_key`` (no tracing) against each traced segment's printed jaxpr, at 30% of
     in-core: the transformer recomputes, moves and cuts alike layers alike; the CNN's ReLUs are
     ``custom_jvp`` calls, each with its own derivative rule (which no segment compiles)."""
-    import oocjax.pipeline as pipeline
     from oocjax import ooc_jit
     from oocjax.transforms.segment import segment_key, segment_specs
     from tests.support import zoo
 
-    seen = []
-    compile_segments = pipeline.compile_segments
-
-    def spy(flat, segments, functions, cache=None, layout=None, **budget):
-        seen.append((flat, segments, functions))
-        return compile_segments(flat, segments, functions, cache, layout, **budget)
-
-    monkeypatch.setattr(pipeline, "compile_segments", spy)
     case = getattr(zoo, case)()
     in_core = ooc_jit(case.step, budget=2**62).plan(case.state, case.batches[0]).baseline_peak_bytes
-    ooc_jit(case.step, budget=int(in_core * 0.3), min_offload_bytes=4096).plan(case.state, case.batches[0])
-    *_, (flat, segments, functions) = seen  # the chain's (earlier calls compile ranges to measure them)
+    step = ooc_jit(case.step, budget=int(in_core * 0.3), min_offload_bytes=4096)
+    segments = step.plan(case.state, case.batches[0]).segments
+    (planner,) = step._planners.values()  # the chain's flat program and segment functions
+    flat, functions = planner.built.flat, planner.built.segment_functions
     read = [segment_key(flat, s) for s in segments]
     traced = []
     for s, f in zip(segments, functions, strict=True):
