@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from oocjax import ooc_jit
-from oocjax.schedule.chain import Launch, Offload, Prefetch
+from oocjax.schedule.chain import CopyIn, CopyOut, Launch
 from oocjax.transforms.memories import sharding
 
 if __package__ in (None, ""):  # run as ``python benchmarks/executor_overhead.py``: put the repository root on the path
@@ -85,7 +85,7 @@ def back_to_back(step, args):
         for slot, x in zip(chain.argument_slots, leaves):
             slots[slot] = x
         for op in chain.operations:
-            if isinstance(op, Prefetch):
+            if isinstance(op, CopyIn):
                 for b in op.buffers:
                     slots[b] = slots[b + host]
             elif isinstance(op, Launch):
@@ -93,7 +93,7 @@ def back_to_back(step, args):
                 outputs = program(*[slots[b] for b in inputs], *literals)
                 for b, x in zip(op.outputs, outputs):
                     slots[b] = x
-            elif isinstance(op, Offload):
+            elif isinstance(op, CopyOut):
                 for b in op.buffers:
                     slots[b + host] = slots[b]
         return slots if keep else [slots[r] for r in chain.result_slots if r is not None]

@@ -22,7 +22,7 @@ from oocjax.errors import OocError
 from oocjax.nested import warn_nested
 from oocjax.options import PlannerOptions, read_settings
 from oocjax.pipeline import MAX_RUNTIME_REPLANS, Seams, StepPlanner
-from oocjax.placement import device_if_on_host, nbytes, on_host, place_arguments, to_device, to_host
+from oocjax.placement import device_if_on_host, on_host, place_arguments, process_bytes, to_device, to_host
 from oocjax.plan import Plan
 from oocjax.refusals import state_returned_on_the_device
 from oocjax.schedule.profiles import DeviceProfile, resolve_profile
@@ -128,7 +128,7 @@ class OocJitted:
         with self._lock:
             warn, self._warned_nested = not self._warned_nested, True
         if warn:
-            warn_nested(_name(self.fun), self.budget_bytes)
+            warn_nested(_step_name(self.fun), self.budget_bytes)
         return self._jitted(*args, **kwargs)
 
     def _call(self, args: tuple, kwargs: dict, leaves: list) -> Any:
@@ -165,7 +165,7 @@ class OocJitted:
             raise
         warning = planner.after_call(built.executor.measured_peak_bytes)
         if warning:
-            warnings.warn(f"oocjax: a call of {_name(self.fun)} {warning}", stacklevel=3)
+            warnings.warn(f"oocjax: a call of {_step_name(self.fun)} {warning}", stacklevel=3)
         delete_unreturned(donated, results)
         return jax.tree.unflatten(traced.out_tree, results)
 
@@ -214,13 +214,15 @@ class OocJitted:
             held = tuple(not gave and not on_host(x) for x, gave in zip(leaves, traced.donated))
             key = signature, held, profile
             if key not in self._planners:
-                in_use = sum(nbytes(x) for x in leaves if on_host(x))
+                in_use = sum(process_bytes(x) for x in leaves if on_host(x))
                 settings = dict(held_by_caller=held, host_bytes_in_use=in_use, profile=profile, timings=timings)
                 try:
                     planner = StepPlanner(traced, self.budget_bytes, self.options, **settings, seams=self.seams)
                 except OocError as error:  # says so where the held leaves came back from an earlier call
                     earlier = [h for (s, h, p) in self._planners if s == signature and p == profile]
-                    state_returned_on_the_device(error, _name(self.fun), self.arguments, earlier, held, (args, kwargs))
+                    state_returned_on_the_device(
+                        error, _step_name(self.fun), self.arguments, earlier, held, (args, kwargs)
+                    )
                     raise
                 self._planners[key] = planner
             return traced, self._planners[key]
@@ -230,5 +232,5 @@ def _unplaced(spec: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(spec.shape, spec.dtype, weak_type=spec.weak_type)
 
 
-def _name(fun: Callable) -> str:
+def _step_name(fun: Callable) -> str:
     return getattr(fun, "__qualname__", None) or repr(fun)

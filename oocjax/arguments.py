@@ -52,7 +52,7 @@ class ArgumentSpec:
             unhashable = next(k for k, v in key if not _hashable(v))
             raise ValueError(
                 f"Non-hashable static arguments are not supported: static argument {unhashable!r} of "
-                f"{_name(self.fun)} is {type(dict(key)[unhashable]).__name__}, which cannot be hashed ({error}). "
+                f"{_fun_name(self.fun)} is {type(dict(key)[unhashable]).__name__}, which cannot be hashed ({error}). "
                 "Pass it as a dynamic argument, or make it hashable (a tuple instead of a list, say)."
             ) from None
         leaves, tree = jax.tree.flatten(self.dynamic(args, kwargs))  # every call: no paths unless needed
@@ -88,7 +88,8 @@ class ArgumentSpec:
                 abstract(x)
             except TypeError:
                 raise TypeError(
-                    f"Error interpreting argument to {_name(self.fun)} as an abstract array. The problematic value is "
+                    f"Error interpreting argument to {_fun_name(self.fun)} as an abstract array. "
+                    "The problematic value is "
                     f"of type {type(x).__name__} and was passed to the function at path {self.label(path, len(args))}."
                     "\nThis typically means that a function wrapped by ooc_jit (as by jax.jit) was called with a "
                     "non-array argument, and this argument was not marked as static using static_argnums or "
@@ -172,7 +173,7 @@ def _hashable(x: Any) -> bool:
     return True
 
 
-def _name(fun: Callable) -> str:
+def _fun_name(fun: Callable) -> str:
     return f"<function {getattr(fun, '__qualname__', fun)!s}>"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from oocjax.schedule import format_bytes
-from oocjax.schedule.chain import Launch, Prefetch, Wait, chain_of
+from oocjax.schedule.chain import CopyIn, Launch, Wait, chain_of
 from oocjax.schedule.layer_cuts import segment_signature
 from oocjax.schedule.units import counted
 
@@ -124,7 +124,7 @@ def _segment_blocks(plan: Plan) -> list[list[str]]:
                 lines += [
                     f"  wait  {value(b)}: its offload must end before its device memory is reused" for b in op.buffers
                 ]
-            elif isinstance(op, Prefetch):
+            elif isinstance(op, CopyIn):
                 lines += [f"  >>>   prefetch {value(b)}: {prefetch(b, segment.start)}" for b in op.buffers]
             elif isinstance(op, Launch):
                 recomputed = _recomputed_in(plan, segment)

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 
 import oocjax.plan_cache as plan_cache
+from oocjax.attempts import Attempt, Rewritten
 from oocjax.budget import Budget, available_host_bytes
 from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.host_limit import host_limit
@@ -34,15 +35,12 @@ from oocjax.refusals import (
     worst_segment,
 )
 from oocjax.schedule import (
-    Chain,
     CutOptions,
     DeviceProfile,
     HybridPlan,
     MemoryTimeline,
     Program,
     Schedule,
-    Segment,
-    SegmentCost,
     SettledPlan,
     chain_of,
     check_chain,
@@ -57,7 +55,6 @@ from oocjax.schedule import (
     required_bytes,
     runs_after,
     simulate,
-    simulate_time,
     unfitted_ranges,
     with_measured_scratch,
     with_probed_scratch,
@@ -68,7 +65,6 @@ from oocjax.transforms import (
     FlatProgram,
     Layout,
     TracedStep,
-    apply_rewrite,
     chain_function,
     chain_jaxpr,
     compile_segments,
@@ -120,37 +116,6 @@ class Seams:
     platform: Callable[[], str] = local_platform
     available_host_bytes: Callable[[], int | None] = available_host_bytes
     keeps_programs: bool | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Rewritten:
-    """What a choice's rewrite makes of the traced step, derived once per choice: the flat program
-    its segments run (with the recomputed copies), its layout on a mesh, and its buffers' labels."""
-
-    flat: FlatProgram
-    layout: Layout | None
-    labels: tuple[str, ...]
-
-    @classmethod
-    def of(cls, traced: TracedStep, rewrite: Any, program: Program) -> Rewritten:
-        recomputes = bool(rewrite.recomputed)
-        flat = apply_rewrite(traced.flat, rewrite) if recomputes else traced.flat
-        layout = traced.layout.for_rewrite(rewrite.origin_buffer) if recomputes and traced.layout else traced.layout
-        return cls(flat, layout, tuple(buffer.label for buffer in program.buffers))
-
-
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """One plan of the closed loop, cut and compiled: what its segments measured."""
-
-    program: Program
-    schedule: Schedule
-    timeline: MemoryTimeline
-    segments: tuple[Segment, ...]
-    chain: Chain
-    costs: tuple[SegmentCost, ...]
-    peak: int
-    worst: int | None
 
 
 class StepPlanner:
@@ -258,11 +223,9 @@ class StepPlanner:
 
     def _make(self, budget: Budget, timings: Timings) -> tuple[BuiltStep, SettledPlan]:
         """Plans, cuts and compiles until the compiled segments' measured peak holds the budget
-        (``Attempt`` per plan); the step, and what the plan cache keeps of it.
-
-        Raises ``BudgetInfeasibleError`` when no plan fits, and ``OocError`` when the segments still
-        measure over the budget after ``MAX_REPLANS`` plans, or a plan needs more host memory than
-        it may use (``host_limit``). Every plan and its chain are checked by the simulator first."""
+        (an ``Attempt`` per plan); the step, and what the plan cache keeps of it. Raises
+        ``BudgetInfeasibleError`` when no plan fits, and ``OocError`` when the segments still measure
+        over the budget after ``MAX_REPLANS`` plans, or a plan needs more host memory than it may."""
         options, traced = self.options, self.traced
         traced_layers = layer_runs(traced.flat)
         timings.done("layers")
@@ -316,23 +279,7 @@ class StepPlanner:
                 if segments[worst].stop - segments[worst].start <= 1:
                     raise
             timings.done(f"re-plan {len(attempts)}: measured {format_bytes(peak)}")
-        last = attempts[-1]
-        step_time_s = None
-        if last.schedule is not choice.schedule:  # planned again: the plan's time is its own
-            step_time_s = simulate_time(last.program, last.schedule, profile).step_time_s
-        settled = SettledPlan(
-            choice=choice,
-            program=last.program,
-            schedule=last.schedule,
-            timeline=last.timeline,
-            segments=last.segments,
-            chain=last.chain,
-            costs=last.costs,
-            attempts=tuple(a.peak for a in attempts),
-            peak=last.peak,
-            layers=layers,
-            step_time_s=step_time_s,
-        )
+        settled = Attempt.settled(choice, attempts, layers, profile)
         return self._finish(budget, settled, rewritten, programs, functions, timings), settled
 
     def _cut(self, program, schedule, timeline, cut: CutOptions, rewritten: Rewritten, budget: Budget, timings):

@@ -65,7 +65,7 @@ def on_host(x: Any) -> bool:
     return memory_kind(x) == "pinned_host"
 
 
-def nbytes(x: Any) -> int:
+def process_bytes(x: Any) -> int:
     """The bytes this process holds of ``x``: on a mesh, a shard on each of its own devices."""
     if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
         return array_shard_bytes(x) * len(x.sharding.addressable_devices)

@@ -18,7 +18,7 @@ from examples.decoders import WAYS
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
 from oocjax.schedule import DeviceProfile, ranges
-from oocjax.schedule.chain import Prefetch, chain_of
+from oocjax.schedule.chain import CopyIn, chain_of
 from oocjax.transforms.execute import observe_segments
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
@@ -125,10 +125,7 @@ def test_donated_state_on_host_is_deleted_at_its_last_prefetch_and_the_plan_coun
     plan = ooc.plan(host_state, tokens)
     chain = chain_of(plan.program, plan.schedule, plan.segments)
     deleted_in = {
-        slot - chain.host_offset: op.segment
-        for op in chain.operations
-        if isinstance(op, Prefetch)
-        for slot in op.deleted
+        slot - chain.host_offset: op.segment for op in chain.operations if isinstance(op, CopyIn) for slot in op.deleted
     }
     leaves, seen = jax.tree.leaves((host_state, tokens)), []
     assert sum(leaves[a].nbytes for a in deleted_in) > kept_bytes // 2  # most of the old state goes during the step

@@ -40,8 +40,8 @@ class Wait:
 
 
 @dataclass(frozen=True, slots=True)
-class Prefetch:
-    """Copy ``buffers`` from host to the device, in one batch."""
+class CopyIn:
+    """Copy ``buffers`` from host to the device, in one batch (the plan's prefetches at a boundary)."""
 
     segment: int
     buffers: tuple[int, ...]
@@ -65,15 +65,17 @@ class Launch:
 
 
 @dataclass(frozen=True, slots=True)
-class Offload:
-    """Copy ``buffers`` from the device to host, in one batch."""
+class CopyOut:
+    """Copy ``buffers`` from the device to host, in one batch (the plan's offloads after a launch)."""
 
     segment: int
     buffers: tuple[int, ...]
     dropped: tuple[int, ...] = ()  # device slots whose last use is their copy to host
 
 
-Operation = Wait | Prefetch | Launch | Offload
+Operation = Wait | CopyIn | Launch | CopyOut
+# What each operation is called in profiles and in the chain's jaxpr: ``oocjax.prefetch(<value>)``.
+OPERATION_NAMES = {Wait: "wait", CopyIn: "prefetch", Launch: "launch", CopyOut: "offload"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -118,11 +120,11 @@ def build_chain(
     operations: list[Operation] = []
     for i, (s, (waited, fetched, launched, offloaded)) in enumerate(zip(segments, last, strict=True)):
         if s.waits:
-            operations.append(Wait(i, tuple(s.waits), _in_order(waited, (host + b for b in s.waits))))
+            operations.append(Wait(i, tuple(s.waits), _ordered_slots(waited, (host + b for b in s.waits))))
         if s.prefetches:
-            dropped = _in_order(fetched, (host + b for b in s.prefetches))
+            dropped = _ordered_slots(fetched, (host + b for b in s.prefetches))
             given = tuple(slot for slot in dropped if slot - host in donated and slot - host in host_inputs)
-            operations.append(Prefetch(i, tuple(s.prefetches), dropped, given))
+            operations.append(CopyIn(i, tuple(s.prefetches), dropped, given))
         reused = set(s.donated)  # inputs whose memory the launch may reuse
         operations.append(
             Launch(
@@ -130,11 +132,11 @@ def build_chain(
                 tuple(s.inputs),
                 tuple(b in reused for b in s.inputs),
                 tuple(s.outputs),
-                _in_order(launched, s.inputs),
+                _ordered_slots(launched, s.inputs),
             )
         )
         if s.offloads:
-            operations.append(Offload(i, tuple(s.offloads), _in_order(offloaded, s.offloads)))
+            operations.append(CopyOut(i, tuple(s.offloads), _ordered_slots(offloaded, s.offloads)))
     return Chain(
         operations=tuple(operations),
         segments=tuple(segments),
@@ -169,7 +171,7 @@ def _given_up(program: Program, schedule: Schedule) -> set[int]:
     return {b for b, buffer in enumerate(program.buffers) if buffer.kind == "input" and buffer.donated}
 
 
-def _in_order(slots: set[int], order: Iterator[int] | Sequence[int]) -> tuple[int, ...]:
+def _ordered_slots(slots: set[int], order: Iterator[int] | Sequence[int]) -> tuple[int, ...]:
     return tuple(slot for slot in dict.fromkeys(order) if slot in slots)
 
 
@@ -281,7 +283,7 @@ class _ChainReplay:
         if isinstance(operation, Wait):
             for b in operation.buffers:
                 self._need_host(b, f"is waited for before {self._where(i)}", "no earlier segment offloads it", i)
-        elif isinstance(operation, Prefetch):
+        elif isinstance(operation, CopyIn):
             for b in operation.buffers:
                 why = "it is not a host input and no earlier segment offloads it"
                 self._need_host(b, f"is prefetched before {self._where(i)}", why, i)

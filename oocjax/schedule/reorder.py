@@ -14,7 +14,7 @@ backward's last read of the parameter it replaces, so that the new one can take 
 A tail equation that depends on nothing the backward pass makes (the step count, a learning-rate
 schedule, weight decay's ``decay * param``) goes right before its first user, not to the start:
 there it would hold a parameter-sized value through the whole backward pass. Where an update needs
-every gradient (clipping by global norm), it depends on the last one, and stays at the end.
+every gradient (clipping by the norm of all of them), it depends on the last one, and stays at the end.
 """
 
 from __future__ import annotations
@@ -64,11 +64,13 @@ def updates_by_layer(
     """
     # A metric of the old parameters goes first, not after every update: they may then be written over.
     anchor = anchors(reads, writes, tail_start, backward_start, unused=backward_start - 1)
-    group = layer_groups(anchor, tail_start, len(reads), layers)
+    group = layer_of_updates(anchor, tail_start, len(reads), layers)
     return [*range(tail_start), *sorted(range(tail_start, len(reads)), key=lambda k: (group[k], k))]
 
 
-def layer_groups(anchor: dict[int, int], tail_start: int, n: int, layers: Sequence[tuple[int, int]]) -> dict[int, int]:
+def layer_of_updates(
+    anchor: dict[int, int], tail_start: int, n: int, layers: Sequence[tuple[int, int]]
+) -> dict[int, int]:
     """Per tail equation: the start of the backward layer its anchor lies in, else the anchor."""
     starts = [a for a, _ in layers]
     group = {}

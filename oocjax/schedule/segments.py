@@ -316,22 +316,12 @@ class _Segmenter:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CutOptions:
-    """How a planned program is cut (``cut_segments``, ``unfitted_ranges``).
-
-    Attributes:
-      budget_bytes: the device budget every segment must fit, arguments and results included.
-      min_segment_flops: merge a segment with less work into the next one where that still fits.
-      min_segments: cut into at least this many segments (for measuring the executor's overhead).
-      cut_before: steps that must start a segment, never merged away.
-      layers: ``(start, stop, kind)`` per run of a layer's steps (``transforms.layers``): groups
-        of layers alike start segments (``layer_groups``), so that they share programs.
-      copies: ``(original, copy)`` steps never to run in one segment (where the compiler would
-        merge a recomputed value back into its original inside one program).
-      measured: ``(signature, bytes)``: what launching compiled ranges allocated
-        (``SegmentCost.launch_bytes``), by their ``segment_signature`` (``unfitted_ranges``): a
-        range between cuts whose program measured to fit stays whole, where the estimate would
-        have cut it.
-    """
+    """How a planned program is cut (``cut_segments``, ``unfitted_ranges``): every segment fits
+    ``budget_bytes``; one with less work than ``min_segment_flops`` joins the next where that
+    fits; ``min_segments`` at least; ``cut_before`` steps start one; ``layers`` alike start
+    segments, to share programs (``layer_groups``); ``copies`` (``(original, copy)`` steps) never
+    share one; ``measured``: ``(segment_signature, launch bytes)`` of ranges compiled whole
+    (``unfitted_ranges``), which stay whole where they measured to fit."""
 
     budget_bytes: int
     min_segment_flops: int = 0

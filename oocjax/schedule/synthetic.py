@@ -40,7 +40,7 @@ def layered_training_step(
     build.step("reduce_sum", [x], [loss])
     grad = build.new(build.buffers[x].nbytes, "d_out")
     build.step("broadcast_in_dim", [loss], [grad])
-    param_grads = _backward(build, grad, saved, params, param_bytes)
+    param_grads = _gradients(build, grad, saved, params, param_bytes)
     for i, (mu, nu) in enumerate(moments):
         outs = [
             build.new(param_bytes, f"new_params[{i}]", is_output=True, aliased_input=params[i]),
@@ -97,7 +97,7 @@ def _forward(
     return saved, x
 
 
-def _backward(build: _Builder, grad: int, saved: list[list[int]], params: list[int], param_bytes: int) -> list[int]:
+def _gradients(build: _Builder, grad: int, saved: list[list[int]], params: list[int], param_bytes: int) -> list[int]:
     """The backward pass, reading the saved activations in reverse; the parameter gradients."""
     param_grads = [0] * len(params)
     for i in reversed(range(len(params))):

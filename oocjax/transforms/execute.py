@@ -10,13 +10,14 @@ what the launch allocates fits the budget.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from oocjax.schedule.chain import Launch, Offload, Prefetch, Wait
+from oocjax.schedule.chain import CopyIn, CopyOut, Launch, Wait
 from oocjax.schedule.segments import SegmentCost
 from oocjax.transforms import account
 from oocjax.transforms.account import DeviceMemory, allocator_reader, peak_reader, ready_probe
@@ -47,19 +48,21 @@ class LaunchAccount:
     foreign_bytes: int = 0
 
 
-_observer: Callable[[LaunchAccount], None] | None = None
+# Set within ``observe_segments`` only, in the context that entered it (a thread's own, for example).
+_observer: contextvars.ContextVar[Callable[[LaunchAccount], None] | None] = contextvars.ContextVar(
+    "oocjax_segment_observer", default=None
+)
 
 
 @contextlib.contextmanager
 def observe_segments(callback: Callable[[LaunchAccount], None]) -> Iterator[None]:
     """Calls ``callback(launch)`` just before each segment is launched (for tests and tools that
     sample memory, e.g. ``jax.live_arrays()`` or ``memory_stats()``, at every boundary)."""
-    global _observer
-    previous, _observer = _observer, callback
+    token = _observer.set(callback)
     try:
         yield
     finally:
-        _observer = previous
+        _observer.reset(token)
 
 
 def _device_bytes(x: Any) -> int:
@@ -94,7 +97,7 @@ class ChainExecutor:
         stream_ordered = device.platform in account.COMPUTE_SYNCHRONIZED
         self.memory = DeviceMemory(budget_bytes, allocator_reader(device), stream_ordered=stream_ordered)
         self.peak_in_use = peak_reader(device)
-        self._follow = {Wait: self._wait, Prefetch: self._prefetch, Launch: self._launch, Offload: self._offload}
+        self._follow = {Wait: self._wait, CopyIn: self._prefetch, Launch: self._launch, CopyOut: self._offload}
 
     def __call__(self, arguments: list[Any], owned: Sequence[bool] = ()) -> list[Any]:
         """Runs the chain on the flat arguments, taking the list over: it is emptied, so that no
@@ -151,7 +154,7 @@ class ChainExecutor:
         for slot in op.dropped:
             slots[slot] = None
 
-    def _prefetch(self, op: Prefetch, name: str, slots: list[Any]) -> None:
+    def _prefetch(self, op: CopyIn, name: str, slots: list[Any]) -> None:
         memory, chain, host = self.memory, self.executable, self.chain.host_offset
         memory.make_room(sum(chain.slot_bytes[b] for b in op.buffers))
         # On a mesh, each value comes back in its own layout, as the segment was compiled for it.
@@ -183,8 +186,8 @@ class ChainExecutor:
         inputs = [slots[b] for b in op.inputs]
         inputs += executable.literals[op.segment]
         memory.make_room(cost.launch_bytes)
-        if _observer is not None:
-            _observer(
+        if (observer := _observer.get()) is not None:
+            observer(
                 LaunchAccount(
                     segment=op.segment,
                     cost=cost,
@@ -232,7 +235,7 @@ class ChainExecutor:
             if d and b in self.argument_of_slot and id(x) not in self.memory.owned and x.is_deleted()
         ]
 
-    def _offload(self, op: Offload, name: str, slots: list[Any]) -> None:
+    def _offload(self, op: CopyOut, name: str, slots: list[Any]) -> None:
         host = self.chain.host_offset
         leaving = [slots[b] for b in op.buffers]
         # On a mesh, each shard is copied to its own device's host memory: the layout stays.

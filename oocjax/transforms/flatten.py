@@ -2,7 +2,7 @@
 
 ``flatten`` inlines nested ``jit`` calls and remat (``checkpoint``) blocks (the primitives whose
 ``PrimitiveRule`` names an ``inline_param``), so that the planner sees the real operations of the
-step rather than a handful of calls, and numbers every value with a global buffer id. A top-level
+step rather than a handful of calls, and numbers every value with one buffer id across the step. A top-level
 ``scan`` whose body does a layer's work is unrolled into one inlined body per iteration. It then
 drops dead code: equations without effects whose results nobody reads (XLA would drop them too,
 but the planner would have held their memory).

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from oocjax.schedule.reorder import anchors, layer_groups
+from oocjax.schedule.reorder import anchors, layer_of_updates
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.flat import FlatProgram, dataflow
 from oocjax.transforms.segment import params_key
@@ -61,7 +61,7 @@ def _update_runs(
     flat: FlatProgram, phases: Sequence[str], runs: Sequence[tuple[int, int, str]]
 ) -> list[tuple[int, int, str]]:
     """Per backward layer, the run of equations after the backward pass that follow its gradients
-    (``schedule.reorder.layer_groups``): its optimizer update, kind ``"update Block"``, where each
+    (``schedule.reorder.layer_of_updates``): its optimizer update, kind ``"update Block"``, where each
     layer's is one run (``transforms.reorder`` groups them so); else none."""
     backward = [(a, y, kind) for a, y, kind in runs if kind.startswith("transpose")]
     transposed = [k for k, phase in enumerate(phases) if phase == "transpose"]
@@ -70,7 +70,7 @@ def _update_runs(
     reads, writes = dataflow(flat)
     tail_start, n = transposed[-1] + 1, len(flat.equations)
     anchor = anchors(reads, writes, tail_start, transposed[0], unused=transposed[0] - 1)  # as the grouping
-    group = layer_groups(anchor, tail_start, n, [(a, y) for a, y, _ in backward])
+    group = layer_of_updates(anchor, tail_start, n, [(a, y) for a, y, _ in backward])
     kinds = {a: "update " + kind.removeprefix("transpose ") for a, _, kind in backward}
     found: list[list] = []
     for k in range(tail_start, n):

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from oocjax.schedule.chain import Chain, Launch, Operation, Prefetch, Wait
+from oocjax.schedule.chain import OPERATION_NAMES, Chain, CopyIn, Launch, Operation, Wait
 from oocjax.schedule.segments import Segment, SegmentCost
 from oocjax.transforms import _compat as jc
 from oocjax.transforms.flat import FlatEquation, FlatProgram
@@ -180,10 +180,10 @@ def chain_function(
                     slots[b] = x
                 continue
             for b in op.buffers:
-                with named(type(op).__name__.lower(), b):
+                with named(OPERATION_NAMES[type(op)], b):
                     if isinstance(op, Wait):
                         slots[b + host] = jc.wait_p.bind(slots[b + host])
-                    elif isinstance(op, Prefetch):
+                    elif isinstance(op, CopyIn):
                         slots[b] = jax.device_put(slots[b + host], Device)
                     else:
                         slots[b + host] = jax.device_put(slots[b], Host)
@@ -356,7 +356,7 @@ def executable_chain(
         if isinstance(op, Launch):
             return f"segment_{op.segment}"
         values = ", ".join(labels[b] if b < len(labels) else f"buffer {b}" for b in op.buffers)
-        return f"oocjax.{type(op).__name__.lower()}({values})"
+        return f"oocjax.{OPERATION_NAMES[type(op)]}({values})"
 
     if layout is None:
         nbytes = [jc.nbytes(aval) for aval in flat.avals]

@@ -11,7 +11,7 @@ which the plan sizes it by and the segments are compiled with:
   (``compiled.output_shardings``); smaller buffers are sized as, and pinned to, replicated;
 * the outputs of a ``shard_map`` call from its ``out_specs``.
 
-A buffer costs a device its shard: the global bytes divided, per dimension and rounding up, by
+A buffer costs a device its shard: the whole array's bytes divided, per dimension and rounding up, by
 the product of the sizes of the mesh axes the spec names there. Segments compiled with these
 shardings on every input and output need no resharding between them, and the step's results come
 out with the shardings ``jax.jit`` gives them. Nothing here ever gathers onto one device.

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from oocjax import ooc_jit
 from oocjax.errors import BudgetInfeasibleError
-from oocjax.schedule.chain import Launch, Offload, Prefetch, Wait, chain_of, check_segments
+from oocjax.schedule.chain import CopyIn, CopyOut, Launch, Wait, chain_of, check_segments
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -54,7 +54,7 @@ def printed_lines(plan, chain) -> list[str]:
     elided = set()
     for first, last in re.findall(r"^\.\.\. segments (\d+)\.\.(\d+):", plan.pretty_jaxpr(), re.MULTILINE):
         elided |= set(range(int(first), int(last) + 1))
-    begins = {Wait: "  wait  {}", Prefetch: "  >>>   prefetch {}", Offload: "  <<<   offload {}"}
+    begins = {Wait: "  wait  {}", CopyIn: "  >>>   prefetch {}", CopyOut: "  <<<   offload {}"}
     labels = [b.label for b in plan.program.buffers]
     lines = []
     for op in chain.operations:
@@ -111,8 +111,8 @@ def test_each_segment_waits_then_prefetches_then_launches_then_offloads():
     in_core = ooc_jit(step, budget=2**62).plan(params, x).baseline_peak_bytes
     plan = ooc_jit(step, budget=int(0.4 * in_core), donate_argnums=(0,), min_offload_bytes=4096).plan(params, x)
     chain = chain_of(plan.program, plan.schedule, plan.segments)
-    order = {Wait: 0, Prefetch: 1, Launch: 2, Offload: 3}
-    assert any(isinstance(op, Offload) for op in chain.operations), "the budget should make the plan move"
+    order = {Wait: 0, CopyIn: 1, Launch: 2, CopyOut: 3}
+    assert any(isinstance(op, CopyOut) for op in chain.operations), "the budget should make the plan move"
     for i, operations in chain.by_segment():
         kinds = [order[type(op)] for op in operations]
         assert kinds == sorted(set(kinds)) and 2 in kinds, (i, operations)
@@ -127,7 +127,7 @@ def test_every_slot_is_dropped_at_most_once_and_never_read_after_its_drop():
     for op in chain.operations:
         if isinstance(op, Launch):
             reads = set(op.inputs)
-        elif isinstance(op, Offload):
+        elif isinstance(op, CopyOut):
             reads = set(op.buffers)
         else:
             reads = {b + host for b in op.buffers}
@@ -136,8 +136,8 @@ def test_every_slot_is_dropped_at_most_once_and_never_read_after_its_drop():
         dropped |= set(op.dropped)
         if isinstance(op, Launch):
             dropped -= set(op.outputs)
-        elif isinstance(op, Prefetch):
+        elif isinstance(op, CopyIn):
             dropped -= set(op.buffers)
-        elif isinstance(op, Offload):
+        elif isinstance(op, CopyOut):
             dropped -= {b + host for b in op.buffers}
     assert not dropped & {s for s in chain.result_slots if s is not None}
