@@ -97,9 +97,7 @@ def ooc_jit(
 class OocJitted:
     """The result of ``ooc_jit``: call it like the jitted step; ``plan`` and ``lower`` inspect it."""
 
-    def __init__(
-        self, arguments: ArgumentSpec, *, budget_bytes: int, options: PlannerOptions, seams: Seams | None = None
-    ):
+    def __init__(self, arguments: ArgumentSpec, *, budget_bytes: int, options: PlannerOptions, seams: Seams = None):
         self.arguments, self.seams = arguments, seams or Seams()  # seams: the planner's stages, for tests to replace
         self.fun = arguments.fun
         self.budget_bytes = budget_bytes
@@ -123,8 +121,7 @@ class OocJitted:
             return self._call(args, kwargs, leaves)
 
     def _inline(self, args: tuple, kwargs: dict) -> Any:
-        """Called inside ``jax.jit``, ``jax.grad``, ``jax.vmap`` (traced arguments): traced inline as a
-        nested ``jax.jit`` is, at every budget; the outer transformation decides the memory."""
+        """Under ``jax.jit``, ``grad`` or ``vmap``: traced inline as a nested ``jax.jit`` is."""
         with self._lock:
             warn, self._warned_nested = not self._warned_nested, True
         if warn:
@@ -154,8 +151,7 @@ class OocJitted:
         copies = [leaf is not original for original, leaf in zip(leaves, moved)]
         deleted = delete_donated_originals(leaves, copies, traced.donated)
         del leaves
-        # The executor takes the list over and empties it, and deletes the copies made here at
-        # their last use: nothing else may hold their device memory.
+        # The executor takes the list over, deleting the copies made here at their last use.
         try:
             results = built.executor(moved, copies)
         except BaseException as error:
@@ -163,8 +159,7 @@ class OocJitted:
             if consumed:
                 error.add_note(consumed_note(traced, consumed))
             raise
-        warning = planner.after_call(built.executor.measured_peak_bytes)
-        if warning:
+        if warning := planner.after_call(built.executor.measured_peak_bytes):
             warnings.warn(f"oocjax: a call of {_step_name(self.fun)} {warning}", stacklevel=3)
         delete_unreturned(donated, results)
         return jax.tree.unflatten(traced.out_tree, results)
@@ -199,9 +194,8 @@ class OocJitted:
         )
 
     def _entry(self, args: tuple, kwargs: dict, leaves=None, profile=None) -> tuple[TracedStep, StepPlanner]:
-        """The call's trace and its planner (made on first use), per signature, which arguments
-        the caller holds on the device and the profile planned for (None: this device); ``leaves``
-        are the arguments' dynamic leaves, if the caller has flattened them already."""
+        """The call's trace and its planner (made on first use, each stage timed), per signature,
+        arguments the caller holds on the device and profile planned for (None: this device)."""
         with self._lock:
             timings = Timings()
             signature = self.arguments.signature(args, kwargs)

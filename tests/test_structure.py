@@ -116,3 +116,22 @@ def test_oocjax_reads_only_this_processs_devices():
         and node.func.value.id == "jax"
     ]
     assert calls == []
+
+
+def test_no_two_top_level_classes_or_functions_in_oocjax_share_a_name():
+    where: dict[str, list[str]] = {}
+    for path in modules("oocjax"):
+        for node in ast.parse(path.read_text()).body:
+            is_definition = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            if is_definition and not node.name.startswith("__"):  # a module's __getattr__ is a protocol
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+
+
+def test_no_oocjax_module_but_the_compat_one_declares_a_global():
+    declaring = [
+        str(path.relative_to(ROOT))
+        for path in modules("oocjax")
+        if path.name != "_compat.py" and any(isinstance(n, ast.Global) for n in ast.walk(ast.parse(path.read_text())))
+    ]
+    assert declaring == []
