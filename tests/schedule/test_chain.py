@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from oocjax import ooc_jit
 from oocjax.errors import BudgetInfeasibleError
-from oocjax.schedule.chain import CopyIn, CopyOut, Launch, Wait, chain_of, check_segments
+from oocjax.schedule.chain import OPERATION_NAMES, CopyIn, CopyOut, Launch, Wait, chain_of, check_segments
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -44,7 +44,7 @@ def expanded(chain) -> list[tuple[str, int]]:
         if isinstance(op, Launch):
             out.append(("segment", op.segment))
         else:
-            out += [(type(op).__name__.lower(), b) for b in op.buffers]
+            out += [(OPERATION_NAMES[type(op)], b) for b in op.buffers]
     return out
 
 
@@ -93,9 +93,10 @@ def test_the_executor_the_view_the_replay_and_the_printer_follow_one_chain(width
         plan = ooc.plan(params, x)
     except BudgetInfeasibleError:
         return  # below the smallest feasible budget: the error names it (tested elsewhere)
-    chain = chain_of(plan.program, plan.schedule, plan.segments)
+    chain = plan.chain
     (planner,) = ooc._planners.values()
-    assert planner.built.executor.chain.operations == chain.operations  # what runs is what is checked
+    assert planner.built.executor.chain is chain  # what runs is what the plan shows
+    assert chain.operations == chain_of(plan.program, plan.schedule, plan.segments).operations
     assert check_segments(plan.program, plan.schedule, plan.segments) == ()
     labels = [b.label.replace("/", "|") for b in plan.program.buffers]
     assert shown(plan) == [(what, b if what == "segment" else labels[b]) for what, b in expanded(chain)]
