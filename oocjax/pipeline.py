@@ -62,6 +62,7 @@ from oocjax.schedule import (
 from oocjax.timings import Timings
 from oocjax.transforms import (
     ChainExecutor,
+    DeviceAccess,
     FlatProgram,
     Layout,
     TracedStep,
@@ -116,6 +117,7 @@ class Seams:
     platform: Callable[[], str] = local_platform
     available_host_bytes: Callable[[], int | None] = available_host_bytes
     keeps_programs: bool | None = None
+    device_access: DeviceAccess | None = None  # how the executor reads and waits on the device
 
 
 class StepPlanner:
@@ -347,9 +349,8 @@ class StepPlanner:
         plan = Plan.build(
             jaxpr=shown, attempts=settled.attempts, executed_peak_bytes=settled.peak, **measured, **described
         )
-        executor = ChainExecutor(
-            executable_chain(flat, chain, programs, settled.costs, labels, layout), budget.planned_bytes, functions
-        )
+        executable = executable_chain(flat, chain, programs, settled.costs, labels, layout)
+        executor = ChainExecutor(executable, budget.planned_bytes, functions, self.seams.device_access)
         timings.done("build")
         plan = dataclasses.replace(plan, timings=tuple(timings.stages))
         return BuiltStep(plan, executor, functions, tuple(programs), flat=flat, layout=layout)

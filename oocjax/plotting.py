@@ -142,7 +142,7 @@ def _name_stacks(plan: Plan) -> list[str] | None:
     its caller) carries its own stack."""
     if plan.source_jaxpr is None:
         return None
-    from oocjax.transforms import _compat as jc  # jax only here, only for a traced plan
+    from oocjax.transforms import compat as jc  # jax only here, only for a traced plan
     from oocjax.transforms.flatten import flatten
     from oocjax.transforms.reorder import reorder_tail
 

@@ -16,7 +16,7 @@ from oocjax.host_limit import PINNED_POOL_VARIABLE, HostLimit
 from oocjax.options import HOST_MARGIN, PlannerOptions
 from oocjax.schedule import Program, format_bytes, required_bytes
 from oocjax.schedule.segments import Segment, SegmentCost
-from oocjax.transforms import _compat as jc
+from oocjax.transforms import compat as jc
 
 # Operations that run whole, as one step with their internal peak as scratch: when one of them sets
 # the floor, the error says so.

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
-from oocjax.schedule._gc import gc_paused
+from oocjax.schedule.gc_paused import gc_paused
 from oocjax.schedule.in_core import in_core_bytes
 from oocjax.schedule.profiles import DeviceProfile, resolve_profile
 from oocjax.schedule.program import Program

@@ -47,8 +47,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
-from oocjax.schedule._gc import gc_paused
 from oocjax.schedule.feasibility import required_bytes
+from oocjax.schedule.gc_paused import gc_paused
 from oocjax.schedule.in_core import in_core_bytes
 from oocjax.schedule.profiles import DEFAULT_PROFILE, DeviceProfile, resolve_profile
 from oocjax.schedule.program import Program, Step

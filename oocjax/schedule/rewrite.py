@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from operator import attrgetter
 
-from oocjax.schedule._gc import gc_paused
+from oocjax.schedule.gc_paused import gc_paused
 from oocjax.schedule.in_core import in_core_bytes
 from oocjax.schedule.program import Buffer, Program, Step
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import accumulate
 
-from oocjax.schedule._gc import gc_paused
+from oocjax.schedule.gc_paused import gc_paused
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.program import Buffer, Program, Stay
 from oocjax.schedule.units import format_bytes

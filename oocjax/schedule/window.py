@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from oocjax.schedule._gc import gc_paused
 from oocjax.schedule.baselines import keep_all
 from oocjax.schedule.feasibility import check_feasible, check_window
+from oocjax.schedule.gc_paused import gc_paused
 from oocjax.schedule.homes import resident_candidates, settle_homes
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
 from oocjax.schedule.program import Program, held_for_whole_step

@@ -7,6 +7,7 @@ import importlib
 
 _MODULE_OF = {
     "ChainExecutor": "execute",
+    "DeviceAccess": "account",
     "FlatProgram": "flat",
     "Layout": "shardings",
     "TracedStep": "trace",

@@ -21,7 +21,7 @@ call the executor takes what is in use beyond its account as not its own (the ca
 arrays); before each launch or prefetch, after the account's wait, it goes on waiting, oldest
 first and then on the latest launch, while the allocator's count less that foreign memory plus
 what the launch allocates is over the budget, until nothing is left to wait on.
-``ALLOCATOR_GATE = False`` turns this off (the account alone), to measure what it changes.
+``DeviceAccess(allocator_gate=False)`` turns this off (the account alone), to measure what it changes.
 """
 
 from __future__ import annotations
@@ -30,11 +30,13 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-ALLOCATOR_GATE = True  # also wait on the allocator's bytes in use, where the device reports them
+from oocjax.transforms.memories import put
+
 # Platforms whose client runs launches in order on one compute stream, with an allocator that
 # hands memory freed by a launch to the next launch on that stream at once (PJRT's GPU client).
 COMPUTE_SYNCHRONIZED = frozenset({"gpu", "cuda", "rocm"})
@@ -75,9 +77,11 @@ class DeviceMemory:
         bytes_in_use: Callable[[], int | None] | None = None,
         *,
         stream_ordered: bool = False,
+        access: DeviceAccess | None = None,
     ):
         self.budget_bytes, self.stream_ordered = budget_bytes, stream_ordered
-        self.bytes_in_use = bytes_in_use
+        self.access = access = access or DeviceAccess()
+        self.bytes_in_use = bytes_in_use if access.allocator_gate else None
         self.pending_bytes = 0
         # Probes are held weakly: a result the caller dropped after the call must not stay on the
         # device (an H200 step found a 250 MiB result of another wrapper's last call still there).
@@ -182,24 +186,24 @@ class DeviceMemory:
         try:
             while self.pending:
                 self._wait_oldest()
-            _wait(_target(self.latest_launch))
+            self.access.wait(_target(self.latest_launch))
         finally:
             self.pending.clear()
             self.pending_bytes, self.latest_launch = 0, None
 
     def _read_allocator(self) -> int | None:
-        return self.bytes_in_use() if ALLOCATOR_GATE and self.bytes_in_use is not None else None
+        return None if self.bytes_in_use is None else self.bytes_in_use()
 
     def _forget_finished(self) -> None:
-        while self.pending and _finished(_target(self.pending[0][0])):
+        while self.pending and self.access.finished(_target(self.pending[0][0])):
             self._forget_oldest()
 
     def block(self, probe: Any) -> None:
         """Waits for ``probe`` (counted in ``waits`` and ``blocked_s`` where it was not ready)."""
-        if _finished(probe):
+        if self.access.finished(probe):
             return
         started = time.perf_counter()
-        _wait(probe)
+        self.access.wait(probe)
         self.waits += 1
         self.blocked_s += time.perf_counter() - started
 
@@ -228,12 +232,31 @@ def _target(reference: weakref.ref | None) -> Any:
     return None if reference is None else reference()
 
 
-def _finished(probe: Any) -> bool:
+def finished(probe: Any) -> bool:
     # A probe the caller has deleted since (a returned array it donated) cannot be polled: polling a
     # deleted array crashes the process. Its work was enqueued before anything that deleted it.
     return probe is None or probe.is_deleted() or probe.is_ready()
 
 
-def _wait(probe: Any) -> None:
+def wait(probe: Any) -> None:
     if probe is not None and not probe.is_deleted():
         probe.block_until_ready()
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceAccess:
+    """How the executor reads, waits on and copies to the device: what tests and benchmarks replace
+    (an allocator that never has room, waits that are recorded, the gate switched off).
+
+    ``allocator_gate``: also wait on the allocator's bytes in use, where the device reports them.
+    ``compute_synchronized``: the platforms whose launches run in order on one compute stream, with
+    an allocator that hands memory freed by a launch to the next launch on it at once (PJRT's GPU
+    client): there only a copy to host keeps memory in use."""
+
+    allocator_gate: bool = True
+    allocator_reader: Callable[[jax.Device], Callable[[], int | None] | None] = allocator_reader
+    peak_reader: Callable[[jax.Device], Callable[[], int | None] | None] = peak_reader
+    compute_synchronized: frozenset[str] = COMPUTE_SYNCHRONIZED
+    finished: Callable[[Any], bool] = finished
+    wait: Callable[[Any], None] = wait
+    put: Callable[..., list[Any]] = put

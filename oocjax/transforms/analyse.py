@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from oocjax.schedule import Buffer, Program, Step, keep_all, simulate
-from oocjax.schedule._gc import gc_paused
-from oocjax.transforms import _compat as jc
+from oocjax.schedule.gc_paused import gc_paused
+from oocjax.transforms import compat as jc
 from oocjax.transforms.flat import FlatEquation, FlatProgram
 from oocjax.transforms.flatten import flatten
 from oocjax.transforms.rules import PrimitiveRule, rule_for, user_name

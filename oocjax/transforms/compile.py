@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from oocjax.schedule.segments import Segment, SegmentCost
-from oocjax.transforms import _compat as jc
+from oocjax.transforms import compat as jc
 from oocjax.transforms.flat import FlatProgram
 from oocjax.transforms.segment import donated_inputs, segment_key, segment_specs
 from oocjax.transforms.shardings import Layout

@@ -19,9 +19,8 @@ import jax
 
 from oocjax.schedule.chain import CopyIn, CopyOut, Launch, Wait
 from oocjax.schedule.segments import SegmentCost
-from oocjax.transforms import account
-from oocjax.transforms.account import DeviceMemory, allocator_reader, peak_reader, ready_probe
-from oocjax.transforms.memories import memory_kind, put, sharding
+from oocjax.transforms.account import DeviceAccess, DeviceMemory, ready_probe
+from oocjax.transforms.memories import memory_kind, sharding
 from oocjax.transforms.segment import ExecutableChain
 from oocjax.transforms.shardings import array_shard_bytes
 
@@ -36,7 +35,7 @@ class LaunchAccount:
       held_bytes: device bytes of the arrays the executor references now.
       in_flight_bytes: device bytes it has let go of that work still enqueued may be using.
       allocator_bytes: the allocator's bytes in use as the gate last read them before this launch
-        (None where the device reports none, or ``account.ALLOCATOR_GATE`` is off).
+        (None where the device reports none, or ``DeviceAccess.allocator_gate`` is off).
       foreign_bytes: bytes in use at the start of the call that were not the executor's.
     """
 
@@ -86,7 +85,7 @@ class ChainExecutor:
 
     measured_peak_bytes: int | None = None  # of the last call; None where the device reports nothing
 
-    def __init__(self, executable: ExecutableChain, budget_bytes: int, functions: Sequence[Callable] = ()):
+    def __init__(self, executable: ExecutableChain, budget_bytes: int, functions: Sequence[Callable] = (), access=None):
         self.executable, self.chain, self.budget_bytes = executable, executable.chain, budget_bytes
         self.functions = list(functions)  # the jitted segments, run instead under jax_debug_nans / _infs
         self._checked_functions: dict[int, Callable] = {}  # those segments without donation, made when first run
@@ -94,9 +93,12 @@ class ChainExecutor:
         self.consumed_arguments: list[int] = []  # of the last call: caller's arrays a launch consumed
         self.host, self.device = sharding("pinned_host"), sharding("device")
         device = next(iter(self.device.device_set))
-        stream_ordered = device.platform in account.COMPUTE_SYNCHRONIZED
-        self.memory = DeviceMemory(budget_bytes, allocator_reader(device), stream_ordered=stream_ordered)
-        self.peak_in_use = peak_reader(device)
+        self.access = access = access or DeviceAccess()
+        stream_ordered = device.platform in access.compute_synchronized
+        self.memory = DeviceMemory(
+            budget_bytes, access.allocator_reader(device), stream_ordered=stream_ordered, access=access
+        )
+        self.peak_in_use = access.peak_reader(device)
         self._follow = {Wait: self._wait, CopyIn: self._prefetch, Launch: self._launch, CopyOut: self._offload}
 
     def __call__(self, arguments: list[Any], owned: Sequence[bool] = ()) -> list[Any]:
@@ -160,7 +162,7 @@ class ChainExecutor:
         # On a mesh, each value comes back in its own layout, as the segment was compiled for it.
         target = self.device if chain.shardings is None else [chain.shardings[b] for b in op.buffers]
         with jax.profiler.TraceAnnotation(name):
-            copies = put([slots[b + host] for b in op.buffers], target)
+            copies = self.access.put([slots[b + host] for b in op.buffers], target)
         for b, x in zip(op.buffers, copies, strict=True):
             slots[b] = x
             memory.hold(x, chain.slot_bytes[b], owned=True)
@@ -241,7 +243,7 @@ class ChainExecutor:
         # On a mesh, each shard is copied to its own device's host memory: the layout stays.
         target = self.host if self.executable.shardings is None else [_in_host(x) for x in leaving]
         with jax.profiler.TraceAnnotation(name):
-            copies = put(leaving, target)
+            copies = self.access.put(leaving, target)
         del leaving
         dropped = set(op.dropped)
         for b, copy in zip(op.buffers, copies, strict=True):

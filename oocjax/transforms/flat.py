@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from oocjax.transforms import _compat as jc
+from oocjax.transforms import compat as jc
 
 Ref = int | jc.Literal  # a buffer id, or a literal operand
 

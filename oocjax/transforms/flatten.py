@@ -18,8 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oocjax.schedule._gc import gc_paused
-from oocjax.transforms import _compat as jc
+from oocjax.schedule.gc_paused import gc_paused
+from oocjax.transforms import compat as jc
 from oocjax.transforms.flat import FlatEquation, FlatProgram, LoopInfo, Ref
 from oocjax.transforms.rules import registered_rule
 

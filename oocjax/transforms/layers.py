@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from oocjax.schedule.reorder import anchors, layer_of_updates
-from oocjax.transforms import _compat as jc
+from oocjax.transforms import compat as jc
 from oocjax.transforms.flat import FlatProgram, dataflow
 from oocjax.transforms.segment import params_key
 

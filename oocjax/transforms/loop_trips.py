@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from oocjax.transforms import _compat as jc
+from oocjax.transforms import compat as jc
 from oocjax.transforms.flat import FlatEquation
 
 

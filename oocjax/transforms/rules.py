@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oocjax.errors import UnsupportedPrimitiveError
-from oocjax.transforms import _compat as jc
+from oocjax.transforms import compat as jc
 from oocjax.transforms.flat import FlatEquation
 from oocjax.transforms.loop_trips import counted_loop_trips
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from oocjax.schedule.chain import OPERATION_NAMES, Chain, CopyIn, Launch, Operation, Wait
 from oocjax.schedule.segments import Segment, SegmentCost
-from oocjax.transforms import _compat as jc
+from oocjax.transforms import compat as jc
 from oocjax.transforms.flat import FlatEquation, FlatProgram
 from oocjax.transforms.memories import sharding, spec
 from oocjax.transforms.shardings import Layout, shard_bytes

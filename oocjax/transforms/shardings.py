@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from oocjax.errors import OocError
 from oocjax.schedule import Program, Step
 from oocjax.schedule.segments import GatheringStep
-from oocjax.transforms import _compat as jc
+from oocjax.transforms import compat as jc
 from oocjax.transforms.flat import FlatProgram
 
 PROBED_BYTES = 64 * 1024  # intermediates at least this large get the sharding XLA chose for them

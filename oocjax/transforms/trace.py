@@ -14,7 +14,7 @@ import jax
 
 from oocjax.arguments import ArgumentSpec
 from oocjax.schedule import Program
-from oocjax.transforms import _compat as jc
+from oocjax.transforms import compat as jc
 from oocjax.transforms.analyse import to_program
 from oocjax.transforms.flat import FlatProgram
 from oocjax.transforms.flatten import flatten

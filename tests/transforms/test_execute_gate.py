@@ -10,9 +10,9 @@ import optax
 import pytest
 
 from oocjax import ooc_jit
-from oocjax.transforms import account, execute
-from oocjax.transforms.account import DeviceMemory
+from oocjax.transforms.account import COMPUTE_SYNCHRONIZED, DeviceAccess, DeviceMemory, allocator_reader, wait
 from oocjax.transforms.execute import observe_segments
+from tests.support.seams import with_seams
 
 HOST = jax.memory.Space.Host
 
@@ -47,9 +47,9 @@ class Allocator:
         return self.base + self.growth * self.reads + sum(n for probe, n in self.late.items() if not probe.waits)
 
 
-def memory_with_two_pending(allocator: Allocator) -> tuple[DeviceMemory, Probe, Probe]:
+def memory_with_two_pending(allocator: Allocator, **access) -> tuple[DeviceMemory, Probe, Probe]:
     """A budget of 100 bytes; 30 + 30 bytes let go of, in use until ``first`` and ``second`` are ready."""
-    memory = DeviceMemory(100, allocator)
+    memory = DeviceMemory(100, allocator, access=DeviceAccess(**access))
     memory.count_foreign()  # nothing is held or pending yet: all the allocator reports is foreign
     first, second = Probe(), Probe()
     memory.release([], first, extra_bytes=30)
@@ -67,10 +67,9 @@ def test_a_launch_waits_while_the_allocator_has_more_in_use_than_the_account():
     assert memory.pending_bytes == 30 and memory.allocator_bytes == 60
 
 
-def test_the_switch_turns_the_gate_off(monkeypatch):
-    monkeypatch.setattr(account, "ALLOCATOR_GATE", False)
+def test_the_switch_turns_the_gate_off():
     allocator = Allocator(0)
-    memory, first, second = memory_with_two_pending(allocator)
+    memory, first, second = memory_with_two_pending(allocator, allocator_gate=False)
     allocator.base, allocator.late = 60, {first: 35}
     memory.make_room(30)
     assert (first.waits, second.waits) == (0, 0) and allocator.reads == 0
@@ -153,10 +152,12 @@ def mlp_step():
     return step, (params, optimizer.init(params)), jax.random.normal(jax.random.key(1), (512, 128))
 
 
-def run_two_steps(step, state, x, budget: int) -> tuple[list, list, int]:
-    """Two steps under ``ooc_jit`` (the state donated and passed on): their results, every launch
-    they made, and how many times they made room (at each launch and prefetch, and each call)."""
+def run_two_steps(step, state, x, budget: int, **access) -> tuple[list, list, int]:
+    """Two steps under ``ooc_jit`` (the state donated and passed on), the executor reading and
+    waiting on the device as ``access`` says (``DeviceAccess``): their results, every launch they
+    made, and how many times they made room (at each launch and prefetch, and each call)."""
     ooc = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096)
+    ooc = with_seams(ooc, device_access=DeviceAccess(**access))
     plan = ooc.plan(state, x)
     assert plan.segments, "the budget must cut the step into segments"
     to_device = [e for e in plan.jaxpr.eqns if e.primitive.name == "device_put" and e.params["devices"] != (HOST,)]
@@ -184,11 +185,10 @@ def as_it_runs(real_step):
     return run_two_steps(*real_step)
 
 
-def test_a_cpu_reports_no_allocator_so_a_real_step_runs_as_without_the_gate(real_step, as_it_runs, monkeypatch):
-    assert execute.allocator_reader(jax.devices()[0]) is None
+def test_a_cpu_reports_no_allocator_so_a_real_step_runs_as_without_the_gate(real_step, as_it_runs):
+    assert allocator_reader(jax.devices()[0]) is None
     gated, gated_launches, _ = as_it_runs
-    monkeypatch.setattr(account, "ALLOCATOR_GATE", False)
-    plain, plain_launches, _ = run_two_steps(*real_step)
+    plain, plain_launches, _ = run_two_steps(*real_step, allocator_gate=False)
     # The same segments with the same bytes held, launch by launch (what is in flight depends on timing).
     assert [(x.segment, x.cost, x.held_bytes) for x in gated_launches] == [
         (x.segment, x.cost, x.held_bytes) for x in plain_launches
@@ -199,12 +199,11 @@ def test_a_cpu_reports_no_allocator_so_a_real_step_runs_as_without_the_gate(real
 
 
 def test_a_real_step_under_an_allocator_never_with_room_waits_at_every_launch_and_computes_the_same(
-    real_step, as_it_runs, monkeypatch
+    real_step, as_it_runs
 ):
     plain, plain_launches, _ = as_it_runs
     allocator = Allocator(0, growth=real_step[-1])
-    monkeypatch.setattr(execute, "allocator_reader", lambda device: allocator)
-    gated, gated_launches, rooms_made = run_two_steps(*real_step)
+    gated, gated_launches, rooms_made = run_two_steps(*real_step, allocator_reader=lambda device: allocator)
     assert [launch.segment for launch in gated_launches] == [launch.segment for launch in plain_launches]
     readings = [launch.allocator_bytes for launch in gated_launches]
     assert None not in readings and readings == sorted(readings)
@@ -217,13 +216,12 @@ def test_a_real_step_under_an_allocator_never_with_room_waits_at_every_launch_an
 
 
 def test_a_real_step_takes_what_the_allocator_has_in_use_beyond_its_account_when_a_call_starts_as_foreign(
-    real_step, as_it_runs, monkeypatch
+    real_step, as_it_runs
 ):
     plain, _, _ = as_it_runs
     budget = real_step[-1]
     allocator = Allocator(4 * budget)  # the caller's other arrays: 4 budgets, before and throughout
-    monkeypatch.setattr(execute, "allocator_reader", lambda device: allocator)
-    gated, launches, _ = run_two_steps(*real_step)
+    gated, launches, _ = run_two_steps(*real_step, allocator_reader=lambda device: allocator)
     # Foreign: the 4 budgets less what the executor holds when a call starts (its arguments, within
     # the budget) and what it let go of that is still in flight from the call before (within the
     # budget too; more of it on a loaded machine).
@@ -324,31 +322,29 @@ def test_on_a_compute_synchronized_device_an_allocator_over_the_budget_is_not_a_
     assert launch.waits == 0
 
 
-def waited_memory_kinds(real_step, monkeypatch, *, compute_synchronized: bool) -> tuple[list[str], list]:
+def waited_memory_kinds(real_step, *, compute_synchronized: bool) -> tuple[list[str], list]:
     """Two real steps in which nothing finishes unless waited for: the memory kind of every array
     the executor waited on, and the steps' results."""
-    if compute_synchronized:
-        monkeypatch.setattr(account, "COMPUTE_SYNCHRONIZED", frozenset({"cpu"}))
-    monkeypatch.setattr(account, "_finished", lambda probe: probe is None)
-    kinds, wait = [], account._wait
+    kinds = []
 
     def recorded(probe):
         kinds.append(probe.sharding.memory_kind)
         wait(probe)
 
-    monkeypatch.setattr(account, "_wait", recorded)
-    results, _, _ = run_two_steps(*real_step)
+    synchronized = frozenset({"cpu"}) if compute_synchronized else COMPUTE_SYNCHRONIZED
+    access = dict(compute_synchronized=synchronized, finished=lambda probe: probe is None, wait=recorded)
+    results, _, _ = run_two_steps(*real_step, **access)
     return kinds, results
 
 
-def test_a_real_step_on_a_compute_synchronized_device_waits_only_for_copies_to_host(real_step, as_it_runs, monkeypatch):
-    kinds, results = waited_memory_kinds(real_step, monkeypatch, compute_synchronized=True)
+def test_a_real_step_on_a_compute_synchronized_device_waits_only_for_copies_to_host(real_step, as_it_runs):
+    kinds, results = waited_memory_kinds(real_step, compute_synchronized=True)
     assert kinds and set(kinds) == {"pinned_host"}, kinds
     plain, _, _ = as_it_runs
     for a, b in zip(results, plain, strict=True):
         np.testing.assert_array_equal(a, b)
 
 
-def test_the_same_step_on_a_cpu_also_waits_for_launches(real_step, monkeypatch):
-    kinds, _ = waited_memory_kinds(real_step, monkeypatch, compute_synchronized=False)
+def test_the_same_step_on_a_cpu_also_waits_for_launches(real_step):
+    kinds, _ = waited_memory_kinds(real_step, compute_synchronized=False)
     assert "device" in kinds

@@ -1,7 +1,7 @@
 """Random bits in segments: Threefry lowered unrolled on the CPU, the same bits as jax's loop.
 
 XLA:CPU compiles jax's rolled Threefry loop about ten times slower than the unrolled rounds, and a
-chain has several programs that make random bits where ``jax.jit`` has one (``_compat.unrolled_threefry``).
+chain has several programs that make random bits where ``jax.jit`` has one (``compat.unrolled_threefry``).
 """
 
 import jax
@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from oocjax import ooc_jit
-from oocjax.transforms import _compat as jc
+from oocjax.transforms import compat as jc
 
 
 def dropout(key, x):

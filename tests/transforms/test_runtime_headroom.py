@@ -12,7 +12,8 @@ import pytest
 
 from oocjax import ooc_jit
 from oocjax.api import MAX_RUNTIME_REPLANS
-from oocjax.transforms import execute
+from oocjax.transforms.account import DeviceAccess
+from tests.support.seams import with_seams
 
 
 def mlp_step(params, x):
@@ -36,16 +37,18 @@ def budget() -> int:
     return int(ooc_jit(mlp_step, budget=2**62).plan(PARAMS, X).baseline_peak_bytes * 0.6)
 
 
-def device_peaks(monkeypatch, peak_of_call):
-    """Each call reads the peak before (0) and after (``peak_of_call(i)`` for the i-th call)."""
+def measured(step, peak_of_call):
+    """``step`` on a device whose every call reads the peak before (0) and after
+    (``peak_of_call(i)`` for the i-th call)."""
     reads = itertools.count()
-    monkeypatch.setattr(execute, "peak_reader", lambda device: lambda: 0 if next(reads) % 2 == 0 else peak_of_call())
+    access = DeviceAccess(peak_reader=lambda device: lambda: 0 if next(reads) % 2 == 0 else peak_of_call())
+    return with_seams(step, device_access=access)
 
 
-def test_a_call_measured_over_the_budget_is_planned_again_with_the_excess_as_headroom(monkeypatch, budget):
+def test_a_call_measured_over_the_budget_is_planned_again_with_the_excess_as_headroom(budget):
     calls = itertools.count()
-    device_peaks(monkeypatch, lambda: budget + budget // 10 if next(calls) == 0 else budget - 1)
     step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4096)
+    step = measured(step, lambda: budget + budget // 10 if next(calls) == 0 else budget - 1)
     assert step.plan(PARAMS, X).headroom_bytes == 0  # a CPU starts with none
     with pytest.warns(UserWarning, match=r"over its budget of .*; planned again with .* of headroom"):
         params, _ = step(PARAMS, X)
@@ -61,9 +64,8 @@ def test_a_call_measured_over_the_budget_is_planned_again_with_the_excess_as_hea
         np.testing.assert_allclose(p, e, atol=2e-5)
 
 
-def test_a_step_that_stays_over_is_planned_again_a_bounded_number_of_times_then_only_warned_about(monkeypatch, budget):
-    device_peaks(monkeypatch, lambda: budget + 2**16)
-    step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4096)
+def test_a_step_that_stays_over_is_planned_again_a_bounded_number_of_times_then_only_warned_about(budget):
+    step = measured(ooc_jit(mlp_step, budget=budget, min_offload_bytes=4096), lambda: budget + 2**16)
     plans = [step.plan(PARAMS, X)]
     for _ in range(MAX_RUNTIME_REPLANS):
         with pytest.warns(UserWarning, match="planned again with"):
@@ -88,8 +90,7 @@ def test_in_a_multi_process_run_a_call_over_the_budget_is_only_warned_about_with
     monkeypatch, budget
 ):
     # Another plan in one process alone would launch other programs than the others run.
-    device_peaks(monkeypatch, lambda: budget + 2**16)
-    step = ooc_jit(mlp_step, budget=budget, min_offload_bytes=4096)
+    step = measured(ooc_jit(mlp_step, budget=budget, min_offload_bytes=4096), lambda: budget + 2**16)
     plan = step.plan(PARAMS, X)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.warns(UserWarning, match=r"not planned again, because every process .* pass headroom_bytes=\d+"):
