@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from oocjax import ooc_jit
-from oocjax.schedule.chain import Launch, Offload, Prefetch
-from oocjax.transforms.memories import sharding
+from oocjax.testing import ChainOffload, ChainPrefetch, Launch, sharding
 
 if __package__ in (None, ""):  # run as ``python benchmarks/executor_overhead.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -85,7 +84,7 @@ def back_to_back(step, args):
         for slot, x in zip(chain.argument_slots, leaves):
             slots[slot] = x
         for op in chain.operations:
-            if isinstance(op, Prefetch):
+            if isinstance(op, ChainPrefetch):
                 for b in op.buffers:
                     slots[b] = slots[b + host]
             elif isinstance(op, Launch):
@@ -93,7 +92,7 @@ def back_to_back(step, args):
                 outputs = program(*[slots[b] for b in inputs], *literals)
                 for b, x in zip(op.outputs, outputs):
                     slots[b] = x
-            elif isinstance(op, Offload):
+            elif isinstance(op, ChainOffload):
                 for b in op.buffers:
                     slots[b + host] = slots[b]
         return slots if keep else [slots[r] for r in chain.result_slots if r is not None]

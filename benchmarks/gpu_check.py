@@ -145,8 +145,7 @@ def run_step(config: dict) -> dict:
     import jax
 
     from oocjax import ooc_jit
-    from oocjax.transforms import account
-    from oocjax.transforms.calibrate import measure_profile
+    from oocjax.testing import account, measure_profile
 
     strategy, capped, expect_oom = ALL_CONFIGURATIONS[config["configuration"]]
     if config["configuration"] in ACCOUNT_ONLY_CONFIGURATIONS:
@@ -301,7 +300,7 @@ def _boundaries_sampled(device, record: dict):
     """During one ooc_jit step, at every segment launch: the allocator's bytes in use against the
     executor's own account (held + in flight), and with the launch's own bytes added. On a CPU the
     allocator reports nothing and this records nothing."""
-    from oocjax.transforms.execute import observe_segments
+    from oocjax.testing import observe_segments
 
     worst = dict(
         in_use_over_account_bytes=None,
@@ -338,7 +337,7 @@ def _synced(device, record: dict, key: str):
     """During one ooc_jit step, at every segment launch: all device work finished first, then the
     allocator read against the executor's account (``_synced_row``); also before and after the
     step. ``record[key]`` is their summary. Values the device does not report are None."""
-    from oocjax.transforms.execute import observe_segments
+    from oocjax.testing import observe_segments
 
     rows = [_synced_row(device)]
     with observe_segments(lambda launch: rows.append(_synced_row(device, launch))):

@@ -49,8 +49,7 @@ from benchmarks._machine import machine
 from benchmarks.executor_overhead import back_to_back, median_seconds
 from benchmarks.gpu_check import DRY_MODEL, GPU_MODEL, _slug, _versions, workload
 from oocjax import BudgetInfeasibleError, ooc_jit
-from oocjax.transforms import account
-from oocjax.transforms.execute import observe_segments
+from oocjax.testing import account, observe_segments
 
 H200_BUDGET_BYTES = 8286266982  # gpu_check's budget on the H200: 0.8 of the allocator limit under a 0.069 fraction
 # ooc_jit's budgets as shares of per-block remat's peak. A dry run keeps one at the peak (where the

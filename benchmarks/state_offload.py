@@ -47,8 +47,8 @@ from benchmarks._machine import machine
 from examples.decoders import WAYS, decoder_case
 from examples.models import Transformer, next_token_step
 from oocjax import BudgetInfeasibleError, ooc_jit
-from oocjax.schedule.layer_cuts import segment_signature
-from oocjax.transforms import execute as execute_module
+from oocjax.testing import execute as execute_module
+from oocjax.testing import segment_signature
 
 GIB = 2**30
 MODEL = dict(layers=24, width=2048, heads=16, vocab=32000, batch=8, seq=1024)  # 1.34B parameters
