@@ -31,10 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from oocjax.schedule import keep_all, simulate_time
-from oocjax.schedule.cost import fit_step_costs
-from oocjax.schedule.segments import cut_segments
-from oocjax.transforms.calibrate import default_profile, measure_profile, time_segments
-from oocjax.transforms.trace import trace_step
+from oocjax.testing import cut_segments, default_profile, fit_step_costs, measure_profile, time_segments, trace_step
 
 if __package__ in (None, ""):  # run as ``python benchmarks/calibration.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

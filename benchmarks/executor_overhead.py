@@ -28,8 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from oocjax import ooc_jit
-from oocjax.schedule.chain import CopyIn, CopyOut, Launch
-from oocjax.transforms.memories import sharding
+from oocjax.testing import CopyIn, CopyOut, Launch, sharding
 
 if __package__ in (None, ""):  # run as ``python benchmarks/executor_overhead.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

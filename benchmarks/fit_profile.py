@@ -36,12 +36,17 @@ says why. The 25% line is issue 53's. Writes the fit, the proposed profile besid
 ``PROFILES["h200"]``, the link check and every prediction to ``--out``.
 
     python benchmarks/fit_profile.py --out benchmarks/results/fit_profile-h200-<date>.json   # ~5 min, 2 cores
+
+``--results-at <commit>`` reads the results files committed there instead: results/ keeps one run per
+claim, and the committed fit (``fit_profile-h200-2026-12-01.json``, at 95c102b) was made from every H200
+run committed then, ``--results-at 95c102b``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import json
 import math
 import os
@@ -76,8 +81,24 @@ WITHIN = 0.25  # issue 53: predicted within 25% of measured, per step
 IN_CORE = 2**62
 
 
+RESULTS_AT: str | None = None  # --results-at: the commit whose results files to read, instead of the working tree's
+
+
 def load(pattern: str) -> list[tuple[str, dict]]:
-    return [(f.name, json.loads(f.read_text())) for f in sorted(RESULTS.glob(pattern))]
+    """The results files whose names match ``pattern``, by name: the working tree's, or those committed
+    at ``RESULTS_AT`` (the fit of 2026-12-01 read runs that results/ no longer keeps)."""
+    if RESULTS_AT is None:
+        return [(f.name, json.loads(f.read_text())) for f in sorted(RESULTS.glob(pattern))]
+
+    def git(*command: str) -> str:
+        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    names = git("ls-tree", "--name-only", f"{RESULTS_AT}:benchmarks/results").split()
+    return [
+        (name, json.loads(git("show", f"{RESULTS_AT}:benchmarks/results/{name}")))
+        for name in sorted(names)
+        if fnmatch.fnmatchcase(name, pattern)
+    ]
 
 
 # -- the plans made now --------------------------------------------------------------------------------
@@ -486,13 +507,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="the JSON to write (default: print only)")
     parser.add_argument("--plan-now-only", action="store_true", help="no plans rebuilt from the runs' commits")
+    parser.add_argument("--results-at", help="read the results files committed at this commit (e.g. 95c102b)")
     args = parser.parse_args()
+    global RESULTS_AT
+    RESULTS_AT = args.results_at
     began = time.perf_counter()
     _, sp = load(SEGMENTS_FILE)[0]
     budget_plan = plan_now("activation", "plain", sp["budget_bytes"])
     groups = segment_groups(budget_plan, sp["segments"])
     whole = plan_now("state", "plain", IN_CORE)
-    jit_s = next(r for r in json.loads((RESULTS / WHOLE_STEP_FIT[0]).read_text())["jax_jit"] if not r["remat"])
+    jit_s = next(r for r in load(WHOLE_STEP_FIT[0])[0][1]["jax_jit"] if not r["remat"])
     launches = [(steps, seconds) for steps, seconds, _ in groups] + [(whole.program.steps, jit_s["s_per_step"])]
     compute = fit_compute(launches)
     segments_only = fit_compute(launches[:-1])

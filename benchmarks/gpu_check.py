@@ -21,7 +21,7 @@ batch 8, seq 1024, vocabulary 1024 by default), each configuration in a fresh pr
   the adaptive window alone), and ``remat_nothing_saveable``, ``remat_offload_dots`` (the whole
   loss in one ``jax.checkpoint``, no cap: the earlier runs' baselines);
 - ``ooc_jit_capped_account``, run only when ``--configurations`` names it: ``ooc_jit_capped`` with
-  the executor's allocator gate switched off (``account.ALLOCATOR_GATE``: waits on its own byte
+  the executor's allocator gate switched off (``DeviceAccess.allocator_gate``: waits on its own byte
   account alone), the baseline the gate is measured against.
 
 An ``ooc_jit`` configuration also looks for memory the executor does not account for. Its first
@@ -145,12 +145,10 @@ def run_step(config: dict) -> dict:
     import jax
 
     from oocjax import ooc_jit
-    from oocjax.transforms import account
-    from oocjax.transforms.calibrate import measure_profile
+    from oocjax.testing import DeviceAccess, measure_profile, with_seams
 
     strategy, capped, expect_oom = ALL_CONFIGURATIONS[config["configuration"]]
-    if config["configuration"] in ACCOUNT_ONLY_CONFIGURATIONS:
-        account.ALLOCATOR_GATE = False
+    access = DeviceAccess(allocator_gate=config["configuration"] not in ACCOUNT_ONLY_CONFIGURATIONS)
     device = jax.devices()[0]
     record = dict(
         configuration=config["configuration"],
@@ -163,7 +161,7 @@ def run_step(config: dict) -> dict:
         env=_env(),
         remat_pass=getattr(jax.config, "jax_compiler_enable_remat_pass", None),
         bytes_limit=_memory_stat(device, "bytes_limit"),
-        allocator_gate=account.ALLOCATOR_GATE if strategy == "ooc_jit" else None,
+        allocator_gate=access.allocator_gate if strategy == "ooc_jit" else None,
     )
     phase = "setup"
     try:
@@ -185,7 +183,7 @@ def run_step(config: dict) -> dict:
                 raise RuntimeError(f"{device.device_kind} reports no memory_stats()['bytes_limit'] to size a budget")
             if config["configuration"] == "ooc_jit_swap_only_capped":
                 options["recompute"] = "off"
-            step = ooc_jit(work.step, budget=budget, donate_argnums=(0,), **options)
+            step = with_seams(ooc_jit(work.step, budget=budget, donate_argnums=(0,), **options), device_access=access)
             plan = step.plan(state, batch)
             segments = getattr(plan, "segments", None)
             record |= dict(
@@ -301,7 +299,7 @@ def _boundaries_sampled(device, record: dict):
     """During one ooc_jit step, at every segment launch: the allocator's bytes in use against the
     executor's own account (held + in flight), and with the launch's own bytes added. On a CPU the
     allocator reports nothing and this records nothing."""
-    from oocjax.transforms.execute import observe_segments
+    from oocjax.testing import observe_segments
 
     worst = dict(
         in_use_over_account_bytes=None,
@@ -338,7 +336,7 @@ def _synced(device, record: dict, key: str):
     """During one ooc_jit step, at every segment launch: all device work finished first, then the
     allocator read against the executor's account (``_synced_row``); also before and after the
     step. ``record[key]`` is their summary. Values the device does not report are None."""
-    from oocjax.transforms.execute import observe_segments
+    from oocjax.testing import observe_segments
 
     rows = [_synced_row(device)]
     with observe_segments(lambda launch: rows.append(_synced_row(device, launch))):

@@ -198,7 +198,7 @@ def jit_row(step_fn, abstract_state, initial, batch, config: dict, plan_key: str
 
 def plan_facts(plan) -> dict:
     """What a plan says it will do (the figures its run is held against)."""
-    from oocjax.schedule.layer_cuts import segment_signature
+    from oocjax.testing import segment_signature
 
     return dict(
         plan=repr(plan),

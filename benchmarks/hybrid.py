@@ -67,10 +67,7 @@ from benchmarks._machine import machine
 from examples.models import Block, next_token_step
 from oocjax import ooc_jit
 from oocjax.schedule import keep_all, simulate, simulate_time
-from oocjax.schedule.hybrid import plan_hybrid
-from oocjax.transforms.calibrate import measure_profile
-from oocjax.transforms.recompute import recomputable_steps
-from oocjax.transforms.trace import trace_step
+from oocjax.testing import measure_profile, plan_hybrid, recomputable_steps, trace_step
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(layers=4, width=128, heads=4, batch=8, seq=128, vocab=512)

@@ -34,7 +34,7 @@ from benchmarks._machine import machine
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit
 from oocjax.schedule import required_bytes
-from oocjax.transforms.trace import trace_step
+from oocjax.testing import trace_step
 
 STYLES = ("loop", "remat loop", "scan", "scan(remat)")
 

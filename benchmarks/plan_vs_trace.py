@@ -36,13 +36,18 @@ import jax.numpy as jnp
 import optax
 
 from oocjax.schedule import chain_of, keep_all, plan_window, simulate, simulate_time, validate
-from oocjax.schedule.hybrid import plan_hybrid
-from oocjax.schedule.segments import cut_segments
-from oocjax.transforms.analyse import to_program
-from oocjax.transforms.calibrate import measure_profile
-from oocjax.transforms.flatten import flatten
-from oocjax.transforms.recompute import apply_rewrite, recomputable_steps
-from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
+from oocjax.testing import (
+    apply_rewrite,
+    chain_function,
+    chain_jaxpr,
+    cut_segments,
+    flatten,
+    measure_profile,
+    plan_hybrid,
+    recomputable_steps,
+    segment_functions,
+    to_program,
+)
 
 if __package__ in (None, ""):  # run as ``python benchmarks/plan_vs_trace.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from oocjax.schedule import keep_all, plan_window, simulate, validate
-from oocjax.schedule.synthetic import layered_training_step
+from oocjax.testing import layered_training_step
 
 try:
     from benchmarks._machine import machine

@@ -199,10 +199,17 @@ def section() -> str:
                 f"{_ratio(ratio['window/gh200'])} | {_ratio(ratio['swap_all_just_in_time/gh200'])} | "
                 f"{_slowdown(half.get('h100-pcie'))} | {_slowdown(half.get('gh200'))} |"
             )
-        lines.append("")
+        png = RESULTS / name.replace(".json", ".png")
+        lines += [f"Plotted in `{png.name}`.", ""] if png.exists() else [""]
     found = latest("fit_profile-h200")
     if found:
         lines += fit_profile_lines(*found)
+    found = latest("layer_plan-h200")
+    if found:
+        lines += layer_plan_lines(*found)
+    found = latest("plan_stability")
+    if found:
+        lines += plan_stability_lines(*found)
     for name, r in gpu_suite_runs():
         lines += gpu_suite_lines(name, r)
     found = latest_gpu_checks()
@@ -216,31 +223,54 @@ def section() -> str:
 
 
 def table() -> str:
-    """The README's results table, markers included: per measurement, ``ooc_jit`` and per-block remat against
-    ``jax.jit``, with the machine, the commit and the results file."""
-    rows = [_gpu_row(*record) for record in latest_gpu_checks()]
+    """The README's results table, markers included: one row per claim, from the newest results file that
+    measures it: ``ooc_jit``'s time against ``jax.jit``'s and against per-block remat's, the machine, the
+    commit and the file."""
+    rows = _activation_rows() + _state_rows()
     found = latest("hybrid-cpu")
     if found:
         rows.append(_hybrid_row(*found))
+    found = latest("first_call")
+    if found:
+        rows += _first_call_rows(*found)
     for prefix in ("executor_overhead-cpu", "executor_overhead-gpu"):
         found = latest(prefix)
         if found:
             rows.append(_with_moves_row(*found))
-    rows += [_state_offload_gpu_row(name, r) for name, r in state_offload_gpu_runs() if r["jax_jit"]]
-    rows += [row for name, r in gpu_suite_runs() for row in gpu_suite_rows(name, r)]
-    found = latest("first_call")
-    if found:
-        rows += _first_call_rows(*found)
     return "\n".join(
         [
             TABLE_BEGIN,
-            "| measured | machine | commit, date | `ooc_jit` vs `jax.jit` | per-block `nn.remat` vs `jax.jit` "
-            "| results file |",
+            "| claim | machine | commit, date | `ooc_jit` / `jax.jit` | `ooc_jit` / per-block remat | results file |",
             "|---|---|---|---|---|---|",
             *rows,
             TABLE_END,
         ]
     )
+
+
+def _newest(candidates: list[tuple[str, dict]]) -> tuple[str, dict] | None:
+    """The newest of ``(name, record)`` pairs: by date, then start time where recorded, then name."""
+    return max(candidates, key=lambda nr: (nr[1]["date"], nr[1].get("started", ""), nr[0]), default=None)
+
+
+def _activation_rows() -> list[str]:
+    """The activation-bound GPT on a GPU: from the newest ``gpu_check.py`` or ``gpu_suite.py`` run of it."""
+    suites = [(n, r) for n, r in gpu_suite_runs() if ("activation_gpt", "jax_jit") in _suite_rows(r)]
+    found = _newest(latest_gpu_checks() + suites)
+    if found is None:
+        return []
+    return gpu_suite_rows(*found, parts=("activation_gpt",)) if found in suites else [_gpu_row(*found)]
+
+
+def _state_rows() -> list[str]:
+    """The 1.34B GPT with its state on host: from the newest ``state_offload_gpu.py`` or ``gpu_suite.py`` run
+    that measured ``jax.jit`` beside it."""
+    suites = [(n, r) for n, r in gpu_suite_runs() if ("state_gpt", "jax_jit") in _suite_rows(r)]
+    runs = [(n, r) for n, r in state_offload_gpu_runs() if any("s_per_step" in row for row in r["jax_jit"])]
+    found = _newest(runs + suites)
+    if found is None:
+        return []
+    return gpu_suite_rows(*found, parts=("state_gpt",)) if found in suites else [_state_offload_gpu_row(*found)]
 
 
 # Recompute by block (ffd56f8, 2026-11-27 08:43 UTC) changed what ooc_jit plans: a row measured before it
@@ -271,7 +301,7 @@ def _gpu_row(name: str, r: dict) -> str:
     speed = _vs(ooc)
     if ooc.get("vs_jax_jit") and ooc.get("runtime_peak_bytes"):
         speed += f" (peak {_gib(ooc['runtime_peak_bytes'])}, budget {_gib(ooc.get('budget_bytes'))})"
-    remat = "; ".join(f"{short} {_vs(by[c])}" for c, short in REMAT_POLICIES if c in by)
+    remat = "; ".join(f"{short} {_against(ooc, by[c])}" for c, short in REMAT_POLICIES if c in by)
     return _row(what, name, r, speed, remat or "-")
 
 
@@ -279,6 +309,17 @@ def _vs(c: dict) -> str:
     """A gpu_check configuration's step time against ``jax.jit``'s, or why it has none."""
     if c.get("vs_jax_jit"):
         return f"{c['vs_jax_jit']:.2f}x"
+    return _why_not(c)
+
+
+def _against(ooc: dict, other: dict) -> str:
+    """``ooc_jit``'s step time over another configuration's (per-block remat), or why there is none."""
+    if ooc.get("s_per_step") and other.get("s_per_step"):
+        return f"{ooc['s_per_step'] / other['s_per_step']:.2f}x"
+    return _why_not(other if ooc.get("s_per_step") else ooc)
+
+
+def _why_not(c: dict) -> str:
     if c.get("oom"):
         return "out of memory"
     first = next((x for x in c.get("error", "").splitlines() if x.strip()), "not measured")
@@ -289,8 +330,11 @@ def _hybrid_row(name: str, r: dict) -> str:
     m, fractions = r["model"], r["settings"]["budgets"]
     by = {(row["row"], row["budget_fraction"]): row for row in r["rows"]}
 
-    def ratios(kind: str) -> str:
-        return " / ".join(f"{by[(kind, f)]['vs_jax_jit']:.2f}x" for f in fractions)
+    def ratios(kind: str, over: str = "jax_jit") -> str:
+        return " / ".join(
+            f"{by[(kind, f)]['vs_jax_jit'] / (by[(over, f)]['vs_jax_jit'] if over != 'jax_jit' else 1):.2f}x"
+            for f in fractions
+        )
 
     what = (
         f"{m['layers']}-layer GPT training step (width {m['width']}, batch {m['batch']}, seq {m['seq']}) at "
@@ -298,7 +342,10 @@ def _hybrid_row(name: str, r: dict) -> str:
         + " of its in-core estimate (a loaded machine: +-15%)"
     )
     ooc = f'{ratios("hybrid")} (`recompute="off"`: {ratios("swap_only")})'
-    remat = f"`nothing_saveable` {ratios('remat_nothing_saveable')}; `dots_saveable` {ratios('remat_dots_saveable')}"
+    remat = (
+        f"`nothing_saveable` {ratios('hybrid', 'remat_nothing_saveable')}; "
+        f"`dots_saveable` {ratios('hybrid', 'remat_dots_saveable')}"
+    )
     return _row(what, name, r, ooc, remat)
 
 
@@ -522,8 +569,8 @@ def _state_offload_gpu_row(name: str, r: dict) -> str:
     ooc = " / ".join(f"{row['s_per_step'] / plain['s_per_step']:.2f}x" for row in rows) if plain else "-"
     peaks = [_gib(row["peak_bytes_in_use"]) + _over(row) for row in rows]
     ooc += " (peak " + " / ".join(peaks) + ")"
-    vs = f"`nothing_saveable` {remat['s_per_step'] / plain['s_per_step']:.2f}x" if plain and remat else "-"
-    return _row(what, name, r, ooc, vs)
+    vs = " / ".join(f"{row['s_per_step'] / remat['s_per_step']:.2f}x" for row in rows) if remat else "-"
+    return _row(what, name, r, ooc, f"{vs} (`nothing_saveable`)" if remat else vs)
 
 
 def _over(row: dict) -> str:
@@ -571,6 +618,61 @@ def _state_offload_gpu_lines(name: str, r: dict) -> list[str]:
     ]
 
 
+def layer_plan_lines(name: str, r: dict) -> list[str]:
+    """One paragraph for a ``layer_plan.py`` record: the 1.34B GPT with its state on host and the
+    activation-bound GPT, planned by layer for an H200 on this machine (a model, not a measurement)."""
+    state = []
+    for row in r["state"]:
+        if "infeasible" in row:
+            state.append(f"{row['case']}: infeasible ({row['infeasible']})")
+            continue
+        targets = row["targets"]
+        state.append(
+            f"{row['case']}: to the device {row['to_device_vs_floor']:.2f}x the host-kept state (target "
+            f"{targets['to_device']:g}x), back {row['back_vs_floor']:.2f}x ({targets['back']:g}x), "
+            f"{row['segments_per_layer']:.2f} segments per layer ({targets['segments_per_layer']:g}), simulated step "
+            f"{row['step_time_s'] / row['in_core_time_s']:.2f}x in core"
+            + (f" ({targets['vs_in_core']:g}x)" if "vs_in_core" in targets else "")
+        )
+    activations = [
+        f"{row['case']}, budget {_gib(row['budget_bytes'])} with {_gib(row['headroom_bytes'])} of headroom: "
+        f"{_ms(row['step_time_s'])} simulated, {row['moved_bytes'] / 2**30:.2f} GiB moved, "
+        f"{row['segments_per_layer']:.2f} segments per layer"
+        for row in r["activations"]
+    ]
+    first = r["activations"][0]
+    return [
+        f'**Plans by layer for an H200** (`{name}`; plans made on a CPU for `profile="h200"`, nothing compiled: a '
+        f"model, not a measurement; {where(r)}). The 1.34B GPT, f32 AdamW state donated and kept on host: "
+        + "; ".join(state)
+        + f". The activation-bound GPT of `gpu_check.py`, against its per-block `nn.remat` twin's simulated in-core "
+        f"step ({_ms(first['remat_in_core_time_s'])}; `jax.jit` {_ms(first['in_core_time_s'])}): "
+        + "; ".join(activations)
+        + ".",
+        "",
+    ]
+
+
+def plan_stability_lines(name: str, r: dict) -> list[str]:
+    """One sentence for a ``plan_stability.py`` record: one plan per step, in fresh processes and under
+    scaled rates."""
+    same = r["same_in_every_process"]
+    unchanged = r["unchanged_when_scaled"]
+    cases = "; ".join(
+        f"{case}: {plan['segments']} segments, {plan['moves']} moves, {plan['recomputed']} values recomputed"
+        for case, plan in r["processes"][0].items()
+    )
+    return [
+        f"**One plan per step** (`{name}`; {where(r)}): the `{r['model'].split()[-1]}` decoder of "
+        "`tests/support/more_ways.py` (local and global attention), planned in "
+        f"{len(r['processes'])} fresh processes: the same plan in every process for "
+        f"{sum(same.values())} of {len(same)} cases ({cases}); planned for the CPU's published profile with its "
+        f"compute or link rates scaled by 0.75 and 1.25, the same plan as unscaled for {sum(unchanged.values())} of "
+        f"{len(unchanged)} cases.",
+        "",
+    ]
+
+
 def fit_profile_lines(name: str, r: dict) -> list[str]:
     """One paragraph for a ``fit_profile.py`` record: the fitted H200 rates beside the datasheet's, and
     how the committed steps it was not fitted to compare with their predictions."""
@@ -587,8 +689,10 @@ def fit_profile_lines(name: str, r: dict) -> list[str]:
         f"{fitted['d2h_bytes_per_s'] / 1e9:.1f} GB/s to the device / back after "
         f"{fitted['h2d_latency_s'] * 1e3:.2f} / {fitted['d2h_latency_s'] * 1e3:.2f} ms "
         f"({sheet['h2d_bytes_per_s'] / 1e9:.0f} / {sheet['d2h_bytes_per_s'] / 1e9:.0f} GB/s), "
-        f"{fitted['both_bytes_per_s'] / 1e9:.1f} GB/s both ways at once (no field). Of the {held['runs']} committed "
-        f"steps it was not fitted to, {held['within']} are predicted within 25% (predicted / measured "
+        f"{fitted['both_bytes_per_s'] / 1e9:.1f} GB/s both ways at once (no field). Of the {held['runs']} steps "
+        f"committed at {r['commit']} that it was not fitted to (most of them in runs results/ no longer keeps: "
+        f"`python benchmarks/fit_profile.py --results-at {r['commit']}` reads them), {held['within']} are "
+        "predicted within 25% (predicted / measured "
         f"{ratios[0]:.2f}-{ratios[-1]:.2f}); {len(rebuilt)} of them in core or with the plan that ran ("
         f"{held['rebuilt_within']} within 25%), the others with the plan made at their commit or now, which differs "
         "from the one that ran (each row says why). The profile in `oocjax/schedule/profiles.py` is unchanged.",
@@ -696,25 +800,35 @@ def gpu_suite_lines(name: str, r: dict) -> list[str]:
     return [*lines, "", *([" ".join(extra), ""] if extra else [])]
 
 
-def gpu_suite_rows(name: str, r: dict) -> list[str]:
-    """The README's rows for one suite record: the activation-bound GPT, the 1.34B GPT with state on host."""
+def gpu_suite_rows(name: str, r: dict, parts: tuple[str, ...] = ("activation_gpt", "state_gpt")) -> list[str]:
+    """The README's rows for one suite record (of ``parts``): the activation-bound GPT, the 1.34B GPT with
+    state on host; ``ooc_jit``'s step time over ``jax.jit``'s and over per-block remat's."""
     rows, out = _suite_rows(r), []
 
-    def vs(part: str, key: str) -> str:
-        row = rows.get((part, key), {})
-        return f"{row['vs_jax_jit']:.2f}x" if row.get("vs_jax_jit") else "-"
+    def vs(part: str, key: str, over: str = "jax_jit") -> str:
+        row, other = rows.get((part, key), {}), rows.get((part, over), {})
+        return (
+            f"{row['s_per_step'] / other['s_per_step']:.2f}x"
+            if row.get("s_per_step") and other.get("s_per_step")
+            else "-"
+        )
 
-    if ("activation_gpt", "jax_jit") in rows:
+    if "activation_gpt" in parts and ("activation_gpt", "jax_jit") in rows:
         what = "16-layer, 1024-wide GPT training step, one process, no cap (`gpu_suite.py`)"
         ooc = f"{vs('activation_gpt', 'ooc_jit')} at 7.72 GiB; "
         ooc += f"{vs('activation_gpt', 'ooc_jit_at_remat_peak')} at remat's peak"
-        out.append(_row(what, name, r, ooc, f"`nothing_saveable` {vs('activation_gpt', 'remat')}"))
-    if ("state_gpt", "jax_jit") in rows:
+        remat = f"{vs('activation_gpt', 'ooc_jit', 'remat')} at 7.72 GiB; "
+        remat += f"{vs('activation_gpt', 'ooc_jit_at_remat_peak', 'remat')} at remat's peak (`nothing_saveable`)"
+        out.append(_row(what, name, r, ooc, remat))
+    if "state_gpt" in parts and ("state_gpt", "jax_jit") in rows:
         what = (
             "1.34B-parameter GPT training step, f32 AdamW state kept in host memory, at 4 GiB / 14 GiB (`gpu_suite.py`)"
         )
         ooc = f"{vs('state_gpt', 'ooc_jit_4')} / {vs('state_gpt', 'ooc_jit_14')}"
-        out.append(_row(what, name, r, ooc, f"`nothing_saveable` {vs('state_gpt', 'remat')}"))
+        remat = (
+            f"{vs('state_gpt', 'ooc_jit_4', 'remat')} / {vs('state_gpt', 'ooc_jit_14', 'remat')} (`nothing_saveable`)"
+        )
+        out.append(_row(what, name, r, ooc, remat))
     return out
 
 

@@ -6,7 +6,7 @@ Medians over ``--steps`` steps, each blocked on:
 
 * ``jax.jit``'s step;
 * ``ooc_jit``'s step: the executor with its transfers, waits, account and allocator gate; again
-  with the gate off (``account.ALLOCATOR_GATE``); and with no waits for work in flight either (the
+  with the gate off (``DeviceAccess(allocator_gate=False)``); and with no waits for work in flight either (the
   budget is then not held: this measures what draining the queue before a launch costs);
 * its segment programs back to back (``executor_overhead.back_to_back``: no executor);
 * each segment program alone, on the inputs the step gave it: its time, work, recomputed steps,
@@ -49,8 +49,7 @@ from benchmarks._machine import machine
 from benchmarks.executor_overhead import back_to_back, median_seconds
 from benchmarks.gpu_check import DRY_MODEL, GPU_MODEL, _slug, _versions, workload
 from oocjax import BudgetInfeasibleError, ooc_jit
-from oocjax.transforms import account
-from oocjax.transforms.execute import observe_segments
+from oocjax.testing import DeviceAccess, observe_segments, with_seams
 
 H200_BUDGET_BYTES = 8286266982  # gpu_check's budget on the H200: 0.8 of the allocator limit under a 0.069 fraction
 # ooc_jit's budgets as shares of per-block remat's peak. A dry run keeps one at the peak (where the
@@ -79,18 +78,21 @@ def profile(model: dict, budget_bytes: int | None, steps: int, dry_run: bool, tr
         return metrics
 
     ooc_s = median_seconds(one_step, steps)
-    account.ALLOCATOR_GATE = False
-    try:
-        ungated_s = median_seconds(one_step, steps)
-        # Also without the account's waits for work in flight: what draining the queue before a
-        # launch costs. Memory is then not held to the budget: a measurement, not a way to run.
-        wait, account._wait = account._wait, lambda probe: None
-        try:
-            unwaited_s = median_seconds(one_step, steps)
-        finally:
-            account._wait = wait
-    finally:
-        account.ALLOCATOR_GATE = True
+
+    def timed_with(access: DeviceAccess) -> float:
+        other = with_seams(step, device_access=access)
+
+        def other_step():
+            carried[0], metrics = other(carried[0], batch)
+            return metrics
+
+        other_step()  # its first call plans and compiles: not timed
+        return median_seconds(other_step, steps)
+
+    ungated_s = timed_with(DeviceAccess(allocator_gate=False))
+    # Also without the account's waits for work in flight: what draining the queue before a
+    # launch costs. Memory is then not held to the budget: a measurement, not a way to run.
+    unwaited_s = timed_with(DeviceAccess(allocator_gate=False, wait=lambda probe: None))
     plain = back_to_back(step, (state, batch))
     plain_s = median_seconds(plain, steps)
     print(f"ooc_jit        {ooc_s * 1e3:8.2f} ms/step ({ooc_s / jit_s:.2f}x jax.jit), gate off {ungated_s * 1e3:.2f}")

@@ -30,11 +30,9 @@ against the budget, and the bytes the executor copied each way against the plan'
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -47,8 +45,7 @@ from benchmarks._machine import machine
 from examples.decoders import WAYS, decoder_case
 from examples.models import Transformer, next_token_step
 from oocjax import BudgetInfeasibleError, ooc_jit
-from oocjax.schedule.layer_cuts import segment_signature
-from oocjax.transforms import execute as execute_module
+from oocjax.testing import DeviceAccess, put, segment_signature, with_seams
 
 GIB = 2**30
 MODEL = dict(layers=24, width=2048, heads=16, vocab=32000, batch=8, seq=1024)  # 1.34B parameters
@@ -109,10 +106,10 @@ def plan_case(model: dict, scan: bool, budget_bytes: int, dtype=None) -> dict:
     )
 
 
-@contextlib.contextmanager
-def copies_counted() -> Iterator[dict]:
-    """Inside it, every copy the executor makes is counted in bytes, by the memory it goes to."""
-    moved, put = {"device": 0, "pinned_host": 0}, execute_module.put
+def copies_counted() -> tuple[dict, DeviceAccess]:
+    """A device access under which every copy the executor makes is counted in bytes, by the
+    memory it goes to, and the counts."""
+    moved = {"device": 0, "pinned_host": 0}
 
     def counted(values, target):
         copies = put(values, target)
@@ -120,11 +117,7 @@ def copies_counted() -> Iterator[dict]:
             moved[copy.sharding.memory_kind] += copy.nbytes
         return copies
 
-    execute_module.put = counted
-    try:
-        yield moved
-    finally:
-        execute_module.put = put
+    return moved, DeviceAccess(put=counted)
 
 
 END_TO_END_MODEL = dict(layers=8, width=512, heads=8, vocab=1024, batch=4, seq=128)
@@ -164,15 +157,16 @@ def end_to_end(name: str, layers: int, step_fn, state, batch, budget: int, steps
     for _ in range(steps):
         state, loss = jitted(state, batch)
         expected.append(float(loss))
+    moved, access = copies_counted()
     ooc = ooc_jit(step_fn, budget=budget, donate_argnums=(0,), min_offload_bytes=4096)  # as the tests plan
+    ooc = with_seams(ooc, device_access=access)
     started = time.perf_counter()
     plan = ooc.plan(carried, batch)
     plan_seconds = time.perf_counter() - started
     losses = []
-    with copies_counted() as moved:
-        for _ in range(steps):
-            carried, loss = ooc(carried, batch)
-            losses.append(float(loss))
+    for _ in range(steps):
+        carried, loss = ooc(carried, batch)
+        losses.append(float(loss))
     (planner,) = ooc._planners.values()
     return dict(
         name=name,

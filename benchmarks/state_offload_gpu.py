@@ -58,9 +58,7 @@ from benchmarks.gpu_check import link_probe
 from benchmarks.state_offload import BUDGETS_GIB, DRY_MODEL, MODEL, copies_counted
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
-from oocjax.schedule.chain import Launch
-from oocjax.transforms.calibrate import measure_profile
-from oocjax.transforms.execute import observe_segments
+from oocjax.testing import Launch, measure_profile, observe_segments
 
 GIB = 2**30
 FLOOR_TARGETS = {4: 1.5, 14: 1.3}  # step time over max(transfer floor, compute floor)

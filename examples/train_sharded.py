@@ -9,7 +9,7 @@ shard shape) plus what the launch allocates, against the budget.
 
 On the CPU the script asks XLA for 8 virtual devices (``--cpu-devices``); on N GPUs it uses them as
 they are. On several hosts, call ``jax.distributed.initialize()`` first in every process and give
-the step global arrays (``README.md``, "Several devices and hosts").
+the step global arrays (``docs/guide.md``, "Several devices and hosts").
 
     python examples/train_sharded.py [--steps 50] [--budget-fraction 0.5] [--cpu-devices 8] [--json out.json]
 """

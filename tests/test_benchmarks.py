@@ -1,6 +1,7 @@
 """The benchmark harnesses work, and docs/measurements.md and the README state only what the results files say."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,45 @@ def test_the_generated_measurements_and_the_readme_table_match_the_results_files
         [sys.executable, "benchmarks/report.py", "--check"], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# A results file's name, and the commit a `git show` takes it from where the docs cite an earlier run.
+RESULTS_NAME = re.compile(
+    r"(?:git show ([0-9a-f]{7,40}):benchmarks/results/)?\b([\w.-]+-20\d\d-\d\d-\d\d[\w-]*\.(?:json|png))"
+)
+
+
+def test_results_keep_one_file_per_cited_claim_and_every_file_the_docs_name_exists():
+    """Issue 52: at most 25 results files, each one cited by the README, the docs or a benchmark; every
+    results file they name is there, but for earlier runs, which they cite with a ``git show``."""
+    results = ROOT / "benchmarks" / "results"
+    sources = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "benchmarks").glob("*.md")]
+    sources += [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "oocjax").rglob("*.py")]
+    text = {path: path.read_text() for path in sources}
+    kept = sorted(path.name for path in results.iterdir())
+    assert 0 < len(kept) <= 25, kept
+    cited = "\n".join(text.values())
+    assert [name for name in kept if name not in cited] == []
+    missing = [
+        f"{path.relative_to(ROOT)}: {found.group(2)}"
+        for path, words in text.items()
+        for found in RESULTS_NAME.finditer(words)
+        if not found.group(1) and found.group(2) not in kept
+    ]
+    assert missing == []
+    # Earlier runs are cited from history: each names a commit that has the file (where there is git to ask).
+    earlier = {(found.group(1), found.group(2)) for words in text.values() for found in RESULTS_NAME.finditer(words)}
+    earlier = sorted(pair for pair in earlier if pair[0])
+    assert earlier, "the measurements cite no earlier run"
+    if shutil.which("git") and (ROOT / ".git").exists():
+        absent = [
+            f"{commit}:{name}"
+            for commit, name in earlier
+            if subprocess.run(
+                ["git", "cat-file", "-e", f"{commit}:benchmarks/results/{name}"], cwd=ROOT, capture_output=True
+            ).returncode
+        ]
+        assert absent == []
 
 
 def test_the_simulated_benchmark_fills_every_cell_for_a_model():
@@ -136,6 +176,36 @@ def test_the_gpu_check_fails_when_ooc_jit_goes_over_budget_and_the_measurements_
     over = "| `ooc_jit` | 10.00 GiB | 8.00 GiB | 9.00 GiB (**over budget**) | 0.200 | 2.00x | max difference 0.0001 |"
     assert over in table
     assert "jitted 1 GiB copies 53.5 / 53.0" in table
+
+
+def test_the_readme_table_gives_ooc_jits_time_over_jax_jits_and_over_per_block_remats():
+    from benchmarks import report
+
+    step = dict(losses=[7.0], finite=True)
+    record = dict(
+        date="2026-12-03",
+        commit="abc1234",
+        device="NVIDIA H200",
+        model=dict(layers=16, width=1024),
+        results=[
+            dict(step, configuration="jax_jit", s_per_step=0.1, vs_jax_jit=1.0, runtime_peak_bytes=30 * 2**30),
+            dict(step, configuration="ooc_jit_capped", s_per_step=0.2, vs_jax_jit=2.0, bytes_limit=10 * 2**30),
+            dict(step, configuration="remat_nothing_saveable_capped", s_per_step=0.16, vs_jax_jit=1.6),
+            dict(configuration="remat_dots_saveable_capped", oom=True, error="RESOURCE_EXHAUSTED"),
+        ],
+    )
+    row = report._gpu_row("gpu-nvidia-h200-2026-12-03.json", record)
+    assert (
+        "| 2.00x | `nothing_saveable` 1.25x; `dots_saveable` out of memory | `gpu-nvidia-h200-2026-12-03.json` |" in row
+    )
+    jit = [dict(remat=False, s_per_step=0.4, peak_bytes_in_use=70 * 2**30), dict(remat=True, s_per_step=0.5)]
+    ooc = [
+        dict(gib=gib, s_per_step=s, state_bytes=15 * 2**30, peak_bytes_in_use=gib * 2**30, budget_bytes=gib * 2**30)
+        for gib, s in ((4, 1.0), (14, 0.6))
+    ]
+    state = dict(record, parameters=1.34e9, jax_jit=jit, ooc_jit=ooc)
+    row = report._state_offload_gpu_row("state_offload_gpu-nvidia-h200-2026-12-03.json", state)
+    assert "| 2.50x / 1.50x (peak 4.00 GiB / 14.00 GiB) | 2.00x / 1.20x (`nothing_saveable`) |" in row
 
 
 def test_a_first_call_run_renders_whatever_parts_it_measured_in_the_measurements_and_the_readme_table():

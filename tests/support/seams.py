@@ -3,15 +3,10 @@ stages a first call logged: how the tests inject a fault or count what a call di
 
 import logging
 
-from oocjax.api import OocJitted
-from oocjax.pipeline import Seams
+from oocjax.testing import Seams, with_seams
 
+__all__ = ["REAL", "capture_stages", "logged_stages", "plans_made", "with_seams"]
 REAL = Seams()  # the stages every planner uses
-
-
-def with_seams(step: OocJitted, **replaced) -> OocJitted:
-    """``step`` (made by ``ooc_jit``) with the planner stages in ``replaced`` (``Seams``' fields)."""
-    return OocJitted(step.arguments, budget_bytes=step.budget_bytes, options=step.options, seams=Seams(**replaced))
 
 
 def logged_stages(caplog) -> list[str]:
