@@ -1,9 +1,8 @@
 """``ooc_jit``: a drop-in for ``jax.jit`` that fits a training step in a device-memory budget.
 
-This module is the face; each stage has its own module. Per argument signature (cached, so a
-second call with the same shapes neither traces nor plans again): arguments (``oocjax.arguments``)
--> trace (``transforms.trace``, ``transforms.analyse``) -> plan, segment, compile, closed on the
-budget (``oocjax.pipeline``) -> execute (``oocjax.placement``, ``transforms.execute``, ``oocjax.donation``).
+This module is the face; each stage has its own module. Per argument signature (cached: a second
+call with the same shapes neither traces nor plans again): trace (``transforms.trace``) -> plan,
+segment, compile, closed on the budget (``oocjax.pipeline``) -> execute (``transforms.execute``).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from oocjax.refusals import state_returned_on_the_device
 from oocjax.schedule.profiles import DeviceProfile, resolve_profile
 from oocjax.timings import Timings
 from oocjax.transforms.segment import segment_specs
-from oocjax.transforms.trace import TracedStep, trace_arguments
+from oocjax.transforms.trace import TracedStep
 
 __all__ = ["MAX_RUNTIME_REPLANS", "OocJitted", "Plan", "ooc_jit", "to_device", "to_host"]
 
@@ -66,18 +65,19 @@ def ooc_jit(
         about a millisecond of work on the device) and ``min_segments`` (cut into at least this
         many segments even when nothing moves; for measuring the executor's overhead);
         ``host_budget`` (host bytes the plan may use, within XLA's pinned pool on GPUs; default: all available);
+        ``rates`` (the device rates plans are chosen with: a profile name such as ``"h200"`` or
+        a ``DeviceProfile``; default: the device kind's published ones);
         ``recompute``: ``"auto"`` (default: keep, move or recompute each value, whichever the
-        device's published rates say is faster), ``"off"`` (move only: the adaptive window
+        rates say is faster), ``"off"`` (move only: the adaptive window
         planner alone), ``"always"`` (take the recomputing plan whenever it finds values to
         recompute), or a function ``(operation_name, value_label) -> True | False | None`` that
         forces (True) or forbids (False) recomputing a value and leaves the rest (None) to the
         costs, e.g. ``lambda name, label: True if name == "lt" else None`` for dropout masks.
 
     Returns:
-      A callable with ``plan(...)`` and ``lower(...)`` methods. Called inside ``jax.jit``,
-      ``jax.grad`` or ``jax.vmap`` (with traced arguments), it is traced inline as a nested
-      ``jax.jit`` is and its budget does not apply (a warning says so, once): wrap the whole
-      differentiated step in ``ooc_jit`` to keep the budget.
+      A callable with ``plan(...)`` and ``lower(...)`` methods. Called inside ``jax.jit``, ``grad``
+      or ``vmap`` (traced arguments), it is traced inline as a nested ``jax.jit`` is, its budget
+      not applied (a warning says so once): wrap the whole differentiated step to keep the budget.
 
     >>> import jax.numpy as jnp
     >>> step = ooc_jit(lambda x: (x * 2).sum(), budget="1GiB")
@@ -200,7 +200,7 @@ class OocJitted:
             timings = Timings()
             signature = self.arguments.signature(args, kwargs)
             if signature not in self._traces:
-                self._traces[signature] = trace_arguments(self.arguments, args, kwargs)
+                self._traces[signature] = self.seams.trace(self.arguments, args, kwargs)
                 timings.done("trace")
             traced = self._traces[signature]
             if leaves is None:

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from oocjax.budget import available_host_bytes, resolve_budget, resolve_bytes
-from oocjax.schedule import MiB
+from oocjax.schedule import MiB, resolve_profile
 from oocjax.schedule.hybrid import RECOMPUTE_MODES
 
 # A segment launch costs tens of microseconds of Python and runtime work: below this much work a
@@ -39,6 +39,7 @@ class PlannerOptions:
     headroom_bytes: int = 0
     host_budget: int | None = None  # None: what the machine has available when the step is planned
     recompute: Any = "auto"  # "auto", "off", "always" or a policy (schedule.hybrid.RecomputePolicy)
+    rates: Any = None  # the DeviceProfile plans are chosen with; None: the device kind's published one
     given: tuple[tuple[str, Any], ...] = ()  # as the user gave them, for another platform's defaults
 
     @classmethod
@@ -65,6 +66,8 @@ class PlannerOptions:
                     f"got {options['recompute']!r}"
                 )
             read["recompute"] = options["recompute"]
+        if options.get("rates") is not None:
+            read["rates"] = resolve_profile(options["rates"])
         for name in ("min_segment_flops", "min_segments"):
             if name in options:
                 read[name] = _count(name, options[name], smallest=0 if name == "min_segment_flops" else 1)

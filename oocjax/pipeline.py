@@ -74,6 +74,7 @@ from oocjax.transforms import (
     layer_runs,
     recomputable_steps,
     segment_functions,
+    trace_arguments,
 )
 
 __all__ = ["DEFAULT_HEADROOM", "MAX_REPLANS", "MAX_RUNTIME_REPLANS", "BuiltStep", "Seams", "StepPlanner"]
@@ -110,6 +111,7 @@ class Seams:
     ``keeps_programs`` is None, the plan cache keeps compiled programs as ``plan_cache.KEEPS_PROGRAMS``
     says for the platform."""
 
+    trace: Callable[..., TracedStep] = trace_arguments
     plan_window: Callable[..., Schedule] = plan_window
     compile_segments: Callable[..., tuple] = compile_segments
     executed_peak: Callable[..., tuple[int, int | None]] = executed_peak
@@ -231,7 +233,7 @@ class StepPlanner:
         options, traced = self.options, self.traced
         traced_layers = layer_runs(traced.flat)
         timings.done("layers")
-        profile = self.profile or default_profile()  # the device's published rates: one plan everywhere
+        profile = self.profile or options.rates or default_profile()  # published rates: one plan everywhere
         choice = self._choose(traced_layers, budget, profile)
         program, schedule = choice.program, choice.schedule
         timeline = self._replayed(program, schedule)

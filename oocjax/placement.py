@@ -25,13 +25,14 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(lambda x: to_memory(x, "pinned_host") if isinstance(x, jax.Array) else x, tree)
 
 
-def to_device(tree: Any) -> Any:
+def to_device(tree: Any, *, free_bytes: int | None = None) -> Any:
     """``tree`` with every leaf kept in host memory (state an ``ooc_jit`` plan keeps there) moved to
     device memory, e.g. to evaluate the trained parameters with ``jax.jit``, which refuses to compute
     on host memory.
 
-    Raises ``OocError`` when the device reports less free memory than those leaves need: evaluate
-    them where they are then, with an ``ooc_jit`` step under the training budget.
+    Raises ``OocError`` when the device has less free memory than those leaves need (``free_bytes``,
+    by default what its allocator reports; a CPU reports none): evaluate them where they are then,
+    with an ``ooc_jit`` step under the training budget.
 
     >>> import jax.numpy as jnp
     >>> to_device({"w": jnp.ones(2)})["w"].sharding.memory_kind
@@ -39,7 +40,7 @@ def to_device(tree: Any) -> Any:
     """
     on_host = [x for x in jax.tree.leaves(tree) if memory_kind(x) == "pinned_host"]
     needed = sum(array_shard_bytes(x) for x in on_host)  # on each device: its shards
-    free = _free_device_bytes()
+    free = _free_device_bytes() if free_bytes is None else free_bytes
     if free is not None and needed > free:
         raise OocError(
             f"to_device: the {len(on_host)} leaves kept in host memory need {format_bytes(needed)} on the device, "

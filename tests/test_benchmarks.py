@@ -233,16 +233,12 @@ def test_a_first_call_run_renders_whatever_parts_it_measured_in_the_measurements
 
 
 @pytest.mark.slow  # 76 s on 2 loaded CPU cores
-def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path, monkeypatch):
-    """The script a GPU session runs to split ``ooc_jit``'s step time (``segment_profile.py``)."""
+def test_the_segment_profile_dry_run_times_every_segment_of_the_plan(tmp_path):
+    """The script a GPU session runs to split ``ooc_jit``'s step time (``segment_profile.py``); its
+    dry run plans with the H200's rates (the CPU's published rates chose a plan whose segments share
+    no program, 19 of 19; which plan the rates pick is not what this test is about)."""
     from benchmarks.gpu_check import DRY_MODEL
     from benchmarks.segment_profile import DRY_REMAT_FRACTIONS, profile
-    from oocjax import pipeline
-    from oocjax.schedule.profiles import resolve_profile
-
-    # Planned with the rates of the H200 the script is for: the CPU's published rates chose a plan
-    # whose segments share no program (19 of 19); which plan the rates pick is not what this test is about.
-    monkeypatch.setattr(pipeline, "default_profile", lambda *args, **kwargs: resolve_profile("h200"))
 
     record = profile(DRY_MODEL, None, steps=2, dry_run=True)
     rows = record["segments"]

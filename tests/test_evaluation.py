@@ -85,12 +85,11 @@ def test_to_device_brings_host_kept_state_back_for_jax_jit():
     assert not any(x.is_deleted() for x in jax.tree.leaves(state)), "the host copy stays the caller's"
 
 
-def test_to_device_says_what_to_do_when_the_device_has_no_room(monkeypatch):
+def test_to_device_says_what_to_do_when_the_device_has_no_room():
     _, state = trained_state_kept_on_host()
     on_host = [x for x in jax.tree.leaves(state) if x.sharding.memory_kind == "pinned_host"]
-    monkeypatch.setattr(oocjax.placement, "_free_device_bytes", lambda: 1024)
     with pytest.raises(OocError) as caught:
-        oocjax.to_device(state)
+        oocjax.to_device(state, free_bytes=1024)
     message = str(caught.value)
     assert message.startswith(f"to_device: the {len(on_host)} leaves kept in host memory need ")
     assert "which has 1 KiB free" in message

@@ -2,6 +2,7 @@
 iteration, the residuals the forward scan stacks for the backward stay per-iteration arrays (each can
 move to host and back), and the step trains as jax.jit trains it."""
 
+import functools
 import re
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 
 from examples.models import Transformer, next_token_step
 from oocjax import BudgetInfeasibleError, ooc_jit, to_device, to_host
-from oocjax.transforms import flatten
+from tests.support.seams import REAL, with_seams
 from tests.test_ooc_jit_reference import FLOAT32_TOLERANCE, device_bytes_at_each_boundary, fresh
 
 
@@ -119,16 +120,16 @@ def test_iterations_of_a_scan_share_compiled_segments():
     assert len(distinct) < len(calls) / 2, (len(distinct), len(calls))
 
 
-def smallest_feasible_budget(step, *args) -> int:
+def smallest_feasible_budget(step, *args, **seams) -> int:
     with pytest.raises(BudgetInfeasibleError) as caught:
-        ooc_jit(step, budget=1024, min_offload_bytes=4096).plan(*args)
+        with_seams(ooc_jit(step, budget=1024, min_offload_bytes=4096), **seams).plan(*args)
     return caught.value.required_bytes
 
 
-def test_the_smallest_feasible_budget_of_a_scan_run_per_iteration_is_below_the_whole_loops(monkeypatch):
+def test_the_smallest_feasible_budget_of_a_scan_run_per_iteration_is_below_the_whole_loops():
     per_iteration = smallest_feasible_budget(scanned_mlp_step, W, X)
-    monkeypatch.setattr(flatten, "MAX_UNROLLED_EQUATIONS", 0)  # every scan runs whole
-    whole = smallest_feasible_budget(scanned_mlp_step, W, X)
+    every_scan_whole = functools.partial(REAL.trace, max_unrolled=0)
+    whole = smallest_feasible_budget(scanned_mlp_step, W, X, trace=every_scan_whole)
     assert per_iteration < whole / 2, (per_iteration, whole)
 
 

@@ -305,15 +305,17 @@ def test_a_segment_measured_over_the_budget_is_planned_again_with_its_real_scrat
     assert_same_results(step(HOST_PARAMS, HOST_X), jax.jit(mlp_step)(PARAMS, X))
 
 
-def test_segments_that_never_fit_raise_naming_the_largest_segment_and_its_lines(monkeypatch):
+def test_segments_that_never_fit_raise_naming_the_largest_segment_and_its_lines():
     budget = tight_step().budget_bytes
-    real_cost = oocjax.transforms.compile._cost
+
     # STUB: every compiled segment reports scratch of twice the budget, as no real program would.
-    monkeypatch.setattr(
-        oocjax.transforms.compile, "_cost", lambda compiled: replace(real_cost(compiled), temp_bytes=2 * budget)
-    )
+    def compiled_too_large(*args, **kwargs):
+        programs, costs = REAL.compile_segments(*args, **kwargs)
+        return programs, [replace(cost, temp_bytes=2 * budget) for cost in costs]
+
+    step = with_seams(ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB), compile_segments=compiled_too_large)
     with pytest.raises(OocError, match=r"do not fit the budget .* measured") as caught:
-        ooc_jit(mlp_step, budget=budget, min_offload_bytes=4 * KiB).plan(HOST_PARAMS, HOST_X)
+        step.plan(HOST_PARAMS, HOST_X)
     assert re.search(r"The largest segment runs equations \d+\.\.\d+ \(test_ooc_jit\.py:\d+", str(caught.value))
     # With what the segments measured, no plan fits: the budget is too small, and the error says how small.
     assert isinstance(caught.value, BudgetInfeasibleError) and caught.value.required_bytes > budget

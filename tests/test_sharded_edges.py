@@ -167,10 +167,16 @@ def test_jax_debug_nans_on_a_mesh_runs_each_segment_in_its_layout_and_names_the_
 
 
 def test_on_one_device_transfers_skip_the_per_array_checks_of_a_mesh(monkeypatch):
-    def refused(x):
-        raise AssertionError("memories.put in one process: its per-array checks cost every transfer")
+    batches, device_put = [], jax.device_put
 
-    monkeypatch.setattr(memories, "_spans_processes", refused)
+    def batched(values, targets, *args, **kwargs):  # in one process, put is one jax.device_put per batch
+        batches.append(values)
+        return device_put(values, targets, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", batched)
+    assert memories.put([jnp.ones(3), jnp.zeros(2)], memories.sharding("pinned_host"))[1].shape == (2,)
+    assert len(batches) == 1 and len(batches[0]) == 2
+    monkeypatch.undo()
     params = {"w": jnp.ones((256, 256)) * 1e-3, "v": jnp.ones((256, 256))}
     step = ooc_jit(lambda p, x: jnp.sum((x @ p["w"]) @ p["v"]), budget=4 * 256 * 256 * 4, min_offload_bytes=1024)
     plan = step.plan(oocjax.to_host(params), jnp.ones((256, 256)))

@@ -11,15 +11,15 @@ import optax
 import pytest
 from flax import nnx
 
-import oocjax.transforms.trace as trace_module
 from benchmarks.state_offload import copies_counted
 from examples import decoders
 from examples.decoders import WAYS
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
-from oocjax.schedule import DeviceProfile, ranges
+from oocjax.schedule import DeviceProfile
 from oocjax.schedule.chain import CopyIn, chain_of
 from oocjax.transforms.execute import observe_segments
+from tests.support.seams import REAL, with_seams
 
 pytestmark = pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 
@@ -69,18 +69,18 @@ def estimated_plan(*, reordered: bool):
     cost estimated, nothing compiled. ``reordered``: the optimizer's updates moved next to their
     gradients (``reorder_tail``), or left in the traced order. Made once for the tests that compare such plans."""
     step, state, tokens = gpt_case()
-    with pytest.MonkeyPatch.context() as patch:
-        if not reordered:
-            patch.setattr(trace_module, "reorder_tail", lambda flat, donated: flat)
-        ooc = ooc_jit(step, budget=state_bytes(state) // 3, donate_argnums=(0,), min_offload_bytes=4096)
-        return ooc.plan(state, tokens, profile=MEASURED_CPU)
+    ooc = ooc_jit(step, budget=state_bytes(state) // 3, donate_argnums=(0,), min_offload_bytes=4096)
+    ooc = with_seams(ooc, trace=functools.partial(REAL.trace, reorder=reordered))
+    return ooc.plan(state, tokens, profile=MEASURED_CPU)
 
 
 @pytest.mark.slow  # 13 s here
 def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_it():
     step, state, tokens = gpt_case()
     budget = state_bytes(state) // 3
+    moved, access = copies_counted()
     ooc = ooc_jit(step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096)
+    ooc = with_seams(ooc, device_access=access)
     plan = ooc.plan(state, tokens)
     assert plan.executed_peak_bytes <= budget and plan.host_inputs
     expected, carried = [], jax.tree.map(lambda x: x.copy(), state)
@@ -89,10 +89,9 @@ def test_a_gpt_with_three_times_the_budget_in_state_trains_like_jax_jit_within_i
         state, loss = jitted(state, tokens)
         expected.append(loss)
     losses = []
-    with copies_counted() as moved:
-        for _ in range(2):
-            carried, loss = ooc(carried, tokens)
-            losses.append(loss)
+    for _ in range(2):
+        carried, loss = ooc(carried, tokens)
+        losses.append(loss)
     np.testing.assert_allclose(losses, expected, rtol=2e-5)
     assert moved == {"device": 2 * plan.timeline.h2d_bytes, "pinned_host": 2 * plan.timeline.d2h_bytes}
 
@@ -138,15 +137,15 @@ def test_donated_state_on_host_is_deleted_at_its_last_prefetch_and_the_plan_coun
     assert plan.host_peak_bytes <= 1.3 * kept_bytes
 
 
-def test_an_init_whose_results_exceed_the_budget_copies_in_ranges_with_far_fewer_segments(monkeypatch):
+def test_an_init_whose_results_exceed_the_budget_copies_in_ranges_with_far_fewer_segments():
     """An init donates nothing, but the state it makes is larger than the budget: planned in ranges
     like the step that trains it (the 1.34B GPT's init at 4 GiB: 9 segments instead of 366)."""
     _, init, _ = gpt_parts()
     key = jax.random.key(0)
     budget = state_bytes(jax.eval_shape(init, key)) // 3
     ranged = ooc_jit(init, budget=budget, min_offload_bytes=4096).plan(key)
-    monkeypatch.setattr(ranges, "RANGE_SHARES", ())  # the step-by-step plan alone
-    step_by_step = ooc_jit(init, budget=budget, min_offload_bytes=4096).plan(key)
+    step_by_step = ooc_jit(init, budget=budget, min_offload_bytes=4096)
+    step_by_step = with_seams(step_by_step, plan_window=functools.partial(REAL.plan_window, in_ranges=False)).plan(key)
     assert ranged.schedule.strategy == "window in ranges" and ranged.executed_peak_bytes <= budget
     assert 2 * len(ranged.segments) < len(step_by_step.segments), (len(ranged.segments), len(step_by_step.segments))
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -66,6 +66,8 @@ def choose_recompute(
     max_picks: int = 1000,
     forced: Iterable[int] | Mapping[int, int] = (),
     layers: Sequence[tuple[int, int]] = (),
+    batched: bool = True,
+    rewrite: Callable[..., Rewrite] = recompute_program,
 ) -> Rewrite:
     """Chooses values to recompute so that the program holds less at its in-core peak.
 
@@ -85,6 +87,9 @@ def choose_recompute(
       forced: buffers to recompute whatever the costs say (split at their longest gap, or where a
         mapping says: buffer -> a step to split across), before
         the selector adds its own.
+      batched: try the classes the bytes over the budget need anyway in one rewrite (False: one
+        class a pick, from the first).
+      rewrite: the rewrite each trial is made with (``recompute_program``; a test counts them).
       layers: the steps ``(start, stop)`` of each run of a layer (forward, backward, update): the
         choices are then made alike in layers alike (``_alike_in_alike_layers``), so that they
         share compiled programs (a bias gradient recomputed for the update of two of four
@@ -104,8 +109,9 @@ def choose_recompute(
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     profile = resolve_profile(DEFAULT_PROFILE if profile is None else profile)
     rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes)
+    tries = dict(max_picks=max_picks, forced=forced, layers=layers, batched=batched, rewrite=rewrite)
     with gc_paused():
-        return _greedy(program, budget_bytes, max_picks=max_picks, forced=forced, layers=layers, **rules)
+        return _greedy(program, budget_bytes, **tries, **rules)
 
 
 def _greedy(
@@ -118,24 +124,24 @@ def _greedy(
     max_picks: int,
     forced: Iterable[int] | Mapping[int, int],
     layers: Sequence[tuple[int, int]],
+    batched: bool,
+    rewrite: Callable[..., Rewrite],
 ) -> Rewrite:
     """``choose_recompute``'s loop: a class of candidates or more a pick, until the step fits in core;
     then the choices made alike in alike layers, where that still fits as well."""
     floor_fits = max(required_bytes(program, min_offload_bytes), default=0) <= budget_bytes
     targets: dict[int, int | None] = dict(forced) if isinstance(forced, Mapping) else dict.fromkeys(forced)
     chosen = (
-        recompute_program(program, targets, recomputable=recomputable, across=targets)
-        if targets
-        else identity_rewrite(program)
+        rewrite(program, targets, recomputable=recomputable, across=targets) if targets else identity_rewrite(program)
     )
     rejected, skipped = set(), []
     device = in_core_bytes(chosen.program)  # recomputed only when a pick is kept
-    tried, batching = 0, True
+    tried, batching = 0, batched
 
     def attempt(batch: list[_Class]) -> tuple[str | None, tuple[int, ...], Rewrite, dict, list[int]]:
         members = list(dict.fromkeys(b for pick in batch for b in pick.members))
         widened = {**targets, **{b: pick.across for pick in batch for b in pick.members}}
-        trial = recompute_program(program, widened, recomputable=recomputable, across=widened)
+        trial = rewrite(program, widened, recomputable=recomputable, across=widened)
         why_not, after = _why_not_kept(trial, members, device, budget_bytes, floor_fits, min_offload_bytes)
         return why_not, after, trial, widened, members
 
@@ -164,7 +170,7 @@ def _greedy(
             rejected.add(batch[0].key)
             skipped += [Skipped(buffer=b, reason=why_not) for b in members]
     alike = _alike_in_alike_layers(program, targets, layers, keep=set(forced))
-    trials = (recompute_program(program, t, recomputable=recomputable, across=t) for t in alike)
+    trials = (rewrite(program, t, recomputable=recomputable, across=t) for t in alike)
     chosen = next((t for t in trials if _fits_as_well(t, device, budget_bytes, floor_fits, min_offload_bytes)), chosen)
     kept = set(chosen.recomputed)  # a chain member of a rejected class may join a later one
     return replace(chosen, skipped=(*chosen.skipped, *(s for s in skipped if s.buffer not in kept)))

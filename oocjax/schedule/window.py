@@ -69,6 +69,8 @@ def plan_window(
     window_bytes: int | None = None,
     min_offload_bytes: int = MiB,
     layers: Sequence[tuple[int, int]] = (),
+    in_ranges: bool = True,
+    residents: bool = True,
 ) -> Schedule:
     """Plans offloads and prefetches so that device memory stays within ``budget_bytes``.
 
@@ -79,6 +81,10 @@ def plan_window(
       min_offload_bytes: buffers smaller than this never move.
       layers: the steps ``(start, stop)`` of each run of a layer: given, the step is planned by
         layer (``ranges.cheapest_in_ranges``), each layer's steps as ranges planned as one step.
+      in_ranges: plan in ranges (by layer, or of shares of the budget where the state is larger
+        than it); False: the plan step by step alone.
+      residents: where the state is larger than the budget, also try plans that keep some inputs
+        on the device (``homes.resident_candidates``); False: the window plan alone.
 
     Returns:
       A schedule that keeps everything on the device when that fits, else the window plan.
@@ -100,25 +106,24 @@ def plan_window(
             return keep_all(program, budget_bytes=budget_bytes, strategy="window")
         check_feasible(program, budget_bytes, min_offload_bytes)
         check_window(program, window)
-        step_by_step = _plan_steps(
-            program, budget_bytes, window, min_offload_bytes, layer_of_steps(len(program.steps), layers)
-        )
-        if program.state_bytes <= budget_bytes and not layers:
+        groups = layer_of_steps(len(program.steps), layers)
+        step_by_step = _plan_steps(program, budget_bytes, window, min_offload_bytes, groups, residents)
+        if not in_ranges or (program.state_bytes <= budget_bytes and not layers):
             return step_by_step
-        plan = functools.partial(_plan_checked, window=window, min_offload_bytes=min_offload_bytes)
+        plan = functools.partial(_plan_checked, window=window, min_offload_bytes=min_offload_bytes, residents=residents)
         return cheapest_in_ranges(program, budget_bytes, plan, step_by_step, layers)
 
 
 def _plan_checked(
-    program: Program, budget_bytes: int, groups: Sequence[int] = (), *, window: int, min_offload_bytes: int
+    program: Program, budget_bytes: int, groups: Sequence[int] = (), *, window: int, min_offload_bytes: int, residents
 ) -> Schedule:
     check_feasible(program, budget_bytes, min_offload_bytes)
     check_window(program, window)
-    return _plan_steps(program, budget_bytes, window, min_offload_bytes, groups)
+    return _plan_steps(program, budget_bytes, window, min_offload_bytes, groups, residents)
 
 
 def _plan_steps(
-    program: Program, budget_bytes: int, window: int, min_offload_bytes: int, groups: Sequence[int] = ()
+    program: Program, budget_bytes: int, window: int, min_offload_bytes: int, groups: Sequence[int], residents: bool
 ) -> Schedule:
     """The window plan, homes settled; where the donated state is larger than the budget, planned
     again with inputs kept on the device (``resident_candidates``), the one that moves fewest
@@ -126,7 +131,7 @@ def _plan_steps(
     a tie the plan with nothing kept by choice. ``groups``: per step, its layer (-1: none)."""
     plan = functools.partial(_WindowPlanner, program, budget_bytes, window, min_offload_bytes, groups=groups)
     plans = [settle_homes(program, plan().plan())]
-    for resident in resident_candidates(program, plans[0], budget_bytes, min_offload_bytes):
+    for resident in resident_candidates(program, plans[0], budget_bytes, min_offload_bytes) if residents else ():
         plans.append(settle_homes(program, plan(resident).plan()))
     return min(plans, key=lambda schedule: schedule.moved_bytes(program))
 

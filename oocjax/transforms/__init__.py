@@ -20,6 +20,7 @@ _MODULE_OF = {
     "layer_runs": "layers",
     "recomputable_steps": "recompute",
     "segment_functions": "segment",
+    "trace_arguments": "trace",
 }
 __all__ = sorted(_MODULE_OF)
 

@@ -260,3 +260,4 @@ class DeviceAccess:
     finished: Callable[[Any], bool] = finished
     wait: Callable[[Any], None] = wait
     put: Callable[..., list[Any]] = put
+    memory: type[DeviceMemory] = DeviceMemory  # the account itself (a subclass checks what it holds)

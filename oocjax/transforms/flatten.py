@@ -24,10 +24,12 @@ from oocjax.transforms.flat import FlatEquation, FlatProgram, LoopInfo, Ref
 from oocjax.transforms.rules import registered_rule
 
 
-def flatten(closed: jc.ClosedJaxpr, *, unroll: bool = True) -> FlatProgram:
+def flatten(closed: jc.ClosedJaxpr, *, unroll: bool = True, max_unrolled: int | None = None) -> FlatProgram:
     """Inlines nested ``jit`` (and ``closed_call``) equations and remat blocks, unrolls the scans
-    worth it (``unroll``), gives every value a buffer id, and drops dead code (``without_dead_code``)."""
-    flattener = _Flattener(unroll)
+    worth it (``unroll``: those doing a layer's work in at most ``max_unrolled`` equations
+    unrolled, ``MAX_UNROLLED_EQUATIONS`` by default), gives every value a buffer id, and drops dead
+    code (``without_dead_code``)."""
+    flattener = _Flattener(unroll, MAX_UNROLLED_EQUATIONS if max_unrolled is None else max_unrolled)
     with gc_paused():
         arguments = [flattener.new(var.aval) for var in closed.jaxpr.invars]
         outputs = [flattener.materialize(r) for r in flattener.inline(closed.jaxpr, closed.consts, arguments)]
@@ -105,8 +107,8 @@ class _Stacked:
 class _Flattener:
     """``flatten``'s state: every value's aval, the constants and the flat equations so far."""
 
-    def __init__(self, unroll: bool):
-        self.unroll = unroll
+    def __init__(self, unroll: bool, max_unrolled: int = 0):
+        self.unroll, self.max_unrolled = unroll, max_unrolled
         self.avals: list[Any] = []
         self.constants: list[tuple[int, Any]] = []
         self.equations: list[FlatEquation] = []
@@ -154,7 +156,7 @@ class _Flattener:
                 if eqn.primitive is jc.jit_p and (name := jc.called_function_name(eqn)):
                     # What the call made and returned is what the user called (an outer call's name wins).
                     self.result_names.update((r, name) for r in results if isinstance(r, int) and r >= first)
-            elif eqn.primitive is jc.scan_p and self.unroll and _worth_unrolling(eqn):
+            elif eqn.primitive is jc.scan_p and self.unroll and _worth_unrolling(eqn, self.max_unrolled):
                 results = self.unrolled_scan(eqn, [value(a) for a in eqn.invars])
             else:
                 if eqn.primitive is jc.scan_p:
@@ -212,9 +214,9 @@ _LAYER_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 MAX_UNROLLED_EQUATIONS = 200_000
 
 
-def _worth_unrolling(eqn: jc.JaxprEqn) -> bool:
+def _worth_unrolling(eqn: jc.JaxprEqn, max_unrolled: int) -> bool:
     body = eqn.params["jaxpr"].jaxpr
-    return int(eqn.params["length"]) * len(body.eqns) <= MAX_UNROLLED_EQUATIONS and _does_layer_work(body)
+    return int(eqn.params["length"]) * len(body.eqns) <= max_unrolled and _does_layer_work(body)
 
 
 def _does_layer_work(jaxpr: jc.Jaxpr) -> bool:

@@ -253,13 +253,19 @@ def register_primitive(name: str, rule: PrimitiveRule) -> PrimitiveRule | None:
     True
     >>> registered_rule("my_call").body_params
     ('jaxprs',)
-    >>> _ = _rules.pop("my_call")  # this example's rule, taken back
+    >>> unregister_primitive("my_call").body_params  # this example's rule, taken back
+    ('jaxprs',)
     """
     if not isinstance(rule, PrimitiveRule):
         raise TypeError(f"register_primitive takes a PrimitiveRule, got {type(rule).__name__}")
     replaced = _rules.get(name)
     _rules[name] = rule
     return replaced
+
+
+def unregister_primitive(name: str) -> PrimitiveRule | None:
+    """Forgets the rule registered for ``name`` (a built-in one falls back to the default); returns it."""
+    return _rules.pop(name, None)
 
 
 def registered_rule(name: str) -> PrimitiveRule | None:

@@ -62,9 +62,12 @@ def trace_step(
     return trace_arguments(spec, args, kwargs)
 
 
-def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict) -> TracedStep:
-    """``trace_step`` for arguments already split by an ``ArgumentSpec``, the optimizer's updates
-    after their gradients where the state is donated, else grouped by layer (``transforms.reorder``)."""
+def trace_arguments(
+    spec: ArgumentSpec, args: tuple, kwargs: dict, *, reorder: bool = True, max_unrolled: int | None = None
+) -> TracedStep:
+    """``trace_step`` for arguments already split by an ``ArgumentSpec``; where ``reorder``, the
+    optimizer's updates after their gradients where the state is donated, else grouped by layer
+    (``transforms.reorder``). ``max_unrolled``: ``flatten``'s, for the scans it unrolls."""
     paths_leaves = jax.tree_util.tree_flatten_with_path(spec.dynamic(args, kwargs))[0]
     arguments = [x for _, x in paths_leaves]
     check_one_mesh(arguments, [spec.label(path, len(args)) for path, _ in paths_leaves])
@@ -75,8 +78,8 @@ def trace_arguments(spec: ArgumentSpec, args: tuple, kwargs: dict) -> TracedStep
     donated = tuple(info.donated for _, info in leaves)
     results = jax.tree_util.tree_flatten_with_path(traced.out_info)[0]
     output_labels = [f"result{jax.tree_util.keystr(path)}" for path, _ in results]
-    flat = flatten(traced.jaxpr)
-    flat = reorder_tail(flat, donated)
+    flat = flatten(traced.jaxpr, max_unrolled=max_unrolled)
+    flat = reorder_tail(flat, donated) if reorder else flat
     program = to_program(flat, input_labels=labels, donated=donated, output_labels=output_labels)
     layout = step_layout(flat, arguments) if is_sharded(arguments, flat) else None
     if layout is not None:

@@ -82,12 +82,10 @@ def test_where_the_state_is_larger_than_the_budget_the_plan_stops_the_executor_f
     assert (len(chosen.copy_steps | chosen.segment_starts), chosen.moved_bytes(program)) == (11, 574 * MiB)
 
 
-def test_where_the_state_fits_the_budget_the_step_by_step_plan_is_the_plan(monkeypatch):
+def test_where_the_state_fits_the_budget_the_step_by_step_plan_is_the_plan():
     program = layered_training_step(4, 4, activation_bytes=8 * MiB, param_bytes=MiB)
     budget = max(required_bytes(program)) + 8 * MiB
     assert state_bytes(program) < budget
-    monkeypatch.setattr(
-        window_module, "cheapest_in_ranges", lambda *args: (_ for _ in ()).throw(AssertionError("ranged"))
-    )
     schedule = plan_window(program, budget)
+    assert schedule == plan_window(program, budget, in_ranges=False) and schedule.strategy == "window"
     assert validate(program, schedule) == () and schedule.moves

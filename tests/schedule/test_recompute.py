@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import oocjax.schedule.recompute as selector
 from oocjax.schedule import (
     Program,
     keep_all,
@@ -376,9 +375,7 @@ def test_below_the_in_core_reach_of_recompute_the_planner_moves_far_less():
 
 
 @pytest.mark.parametrize("layers, fraction", [(3, 0.3), (6, 0.5), (24, 0.3), (24, 0.5)])
-def test_classes_needed_together_are_rewritten_together_and_chosen_as_one_at_a_time_would(
-    layers, fraction, monkeypatch
-):
+def test_classes_needed_together_are_rewritten_together_and_chosen_as_one_at_a_time_would(layers, fraction):
     program = layered_training_step(layers)
     budget = int(max(in_core_bytes(program)) * fraction)
     rewrites = []
@@ -387,15 +384,14 @@ def test_classes_needed_together_are_rewritten_together_and_chosen_as_one_at_a_t
         rewrites.append(1)
         return recompute_program(*args, **kwargs)
 
-    def choose() -> tuple[Rewrite, int]:
+    def choose(batched: bool) -> tuple[Rewrite, int]:
         rewrites.clear()
-        rewrite = choose_recompute(program, budget, recomputable=lambda s: program.steps[s].name != "adam")
+        recomputable = lambda s: program.steps[s].name != "adam"  # noqa: E731
+        rewrite = choose_recompute(program, budget, recomputable=recomputable, batched=batched, rewrite=counted)
         return rewrite, len(rewrites)
 
-    monkeypatch.setattr(selector, "recompute_program", counted)
-    together, rewrites_together = choose()
-    monkeypatch.setattr(selector, "_needed", lambda ranked, over: ranked[:1])
-    alone, rewrites_alone = choose()
+    together, rewrites_together = choose(batched=True)
+    alone, rewrites_alone = choose(batched=False)
     assert together.recomputed == alone.recomputed
     assert together.peak_bytes == alone.peak_bytes
     # Where the estimates hold (24 layers at 30%: 3 rewrites instead of 5), fewer; where they

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from oocjax.errors import BudgetInfeasibleError
-from oocjax.schedule import Prefetch, Program, plan_window, required_bytes, simulate, validate, window
+from oocjax.schedule import Prefetch, Program, plan_window, required_bytes, simulate, validate
 from oocjax.schedule.homes import resident_candidates
 from oocjax.schedule.synthetic import layered_training_step
 from oocjax.schedule.window import _WindowPlanner
@@ -222,16 +222,14 @@ def test_inputs_fetched_again_and_again_stay_on_the_device_where_that_moves_fewe
     assert {program.buffers[b].label for b in schedule.host_inputs} >= {"params[0]", "params[1]", "mu[3]", "nu[3]"}
     assert schedule.moved_bytes(program) == 100 * MiB
 
-    monkeypatch.setattr(window, "resident_candidates", lambda *args: [])
-    first = plan_window(program, 45 * MiB)
+    first = plan_window(program, 45 * MiB, residents=False)
     assert [len(first.prefetches_by_buffer[name[f"params[{i}]"]]) for i in range(4)] == [1, 1, 2, 2]
     assert first.moved_bytes(program) == 124 * MiB
 
 
 def test_no_input_is_kept_by_choice_where_the_state_fits_the_budget_or_none_is_fetched_twice(monkeypatch):
     program = layered_training_step(4, 1, activation_bytes=4 * MiB, param_bytes=4 * MiB)  # 48 MiB of state
-    monkeypatch.setattr(window, "resident_candidates", lambda *args: [])
-    schedule = plan_window(program, 45 * MiB)  # fetches params[2] and params[3] twice (above)
+    schedule = plan_window(program, 45 * MiB, residents=False)  # fetches params[2] and params[3] twice (above)
     assert resident_candidates(program, schedule, 45 * MiB, MiB)
     assert resident_candidates(program, schedule, 48 * MiB, MiB) == []  # the state fits
     first_fetches = {m.buffer: m for m in reversed(schedule.prefetches)}.values()

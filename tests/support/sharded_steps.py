@@ -7,7 +7,6 @@ of what it measured, and the parent test asserts on it. Layouts: ``LAYOUTS``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import tempfile
@@ -25,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 from oocjax import Plan, ooc_jit
 from oocjax.pipeline import StepPlanner
 from oocjax.schedule.segments import GatheringStep
-from oocjax.transforms import account
+from oocjax.testing import with_seams
+from oocjax.transforms.account import DeviceAccess, DeviceMemory
 from oocjax.transforms.execute import observe_segments
 
 LAYOUTS = ("data", "model", "fsdp", "explicit", "shard_map")
@@ -175,23 +175,19 @@ def adam_comparison(result, expected) -> dict:
     )
 
 
-@contextlib.contextmanager
-def planned_bytes_checked():
-    """Every array the executor holds on the device (arguments, segment outputs, prefetched copies)
-    against the bytes its plan counts for it: the mismatches, as (planned, real shard bytes)."""
+def planned_bytes_checked() -> tuple[list[tuple[int, int]], DeviceAccess]:
+    """A device access whose account checks every array the executor holds on the device
+    (arguments, segment outputs, prefetched copies) against the bytes its plan counts for it, and
+    the mismatches it finds, as (planned, real shard bytes)."""
     mismatches: list[tuple[int, int]] = []
-    hold = account.DeviceMemory.hold
 
-    def checked(memory, x, nbytes, *, owned):
-        if nbytes and isinstance(x, jax.Array) and nbytes != shard_bytes(x):
-            mismatches.append((nbytes, shard_bytes(x)))
-        hold(memory, x, nbytes, owned=owned)
+    class Checked(DeviceMemory):
+        def hold(self, x, nbytes, *, owned):
+            if nbytes and isinstance(x, jax.Array) and nbytes != shard_bytes(x):
+                mismatches.append((nbytes, shard_bytes(x)))
+            super().hold(x, nbytes, owned=owned)
 
-    account.DeviceMemory.hold = checked
-    try:
-        yield mismatches
-    finally:
-        account.DeviceMemory.hold = hold
+    return mismatches, DeviceAccess(memory=Checked)
 
 
 def run(layout: str) -> dict:
@@ -204,14 +200,15 @@ def run(layout: str) -> dict:
     wrappers, planned = {}, {}  # by fraction: the checks below reuse them rather than plan the same again
     for fraction in FRACTIONS:
         budget = int(in_core * fraction)
-        jitted = wrappers[fraction] = ooc_jit(fn, budget=budget, donate_argnums=0, min_offload_bytes=4096)
+        mismatches, access = planned_bytes_checked()
+        jitted = ooc_jit(fn, budget=budget, donate_argnums=0, min_offload_bytes=4096)
+        jitted = wrappers[fraction] = with_seams(jitted, device_access=access)
         try:
             plan = planned[fraction] = jitted.plan(state, batch)
         except Exception as error:
             report["fractions"][str(fraction)] = dict(budget=budget, error=f"{type(error).__name__}: {error}")
             continue
-        with planned_bytes_checked() as mismatches:
-            (result, samples) = per_device_at_each_launch(jitted, copied(state), batch)
+        (result, samples) = per_device_at_each_launch(jitted, copied(state), batch)
         leaves, wanted = jax.tree.leaves(result), jax.tree.leaves(expected)
         copies = [buffer.label.startswith("recompute of") for buffer in plan.program.buffers]
         exact = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, wanted))
