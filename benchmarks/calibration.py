@@ -31,11 +31,12 @@ import jax.numpy as jnp
 import optax
 
 from oocjax.schedule import keep_all, simulate_time
-from oocjax.testing import cut_segments, default_profile, fit_step_costs, measure_profile, time_segments, trace_step
+from oocjax.testing import cut_segments, trace_step
 
 if __package__ in (None, ""):  # run as ``python benchmarks/calibration.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
+from benchmarks.rates import default_profile, fit_step_costs, measure_profile, time_segments
 from examples.models import CNN, MLP, Transformer, next_token_step
 
 

@@ -12,7 +12,7 @@ runs on a GPU. Three fits, each on measurements of one kind, then every committe
   launch costs ``launch_s + sum(max(flops / flops_per_s, bytes / hbm_bytes_per_s) + op_overhead_s)``
   over its equations (``DeviceProfile.compute_seconds``); the four coefficients are fitted by
   non-negative least squares on relative errors, each equation's bound reclassified under the fitted
-  rates until none changes (as ``schedule.cost.fit_step_costs``, which fits seconds, not ratios).
+  rates until none changes (as ``rates.fit_step_costs``, which fits seconds, not ratios).
   The equations are those of the same model's plan made now, at the measured segments' bounds
   (matched by their FLOPs: the plan made now is cut differently, see ``segment_groups``);
 * **link** (``h2d``/``d2h`` bandwidth and latency): every ``gpu_check`` run's copies, eager

@@ -144,8 +144,9 @@ def run_step(config: dict) -> dict:
     """One step configuration, in this (fresh) process. Errors are recorded, not raised."""
     import jax
 
+    from benchmarks.rates import measure_profile
     from oocjax import ooc_jit
-    from oocjax.testing import DeviceAccess, measure_profile, with_seams
+    from oocjax.testing import DeviceAccess, with_seams
 
     strategy, capped, expect_oom = ALL_CONFIGURATIONS[config["configuration"]]
     access = DeviceAccess(allocator_gate=config["configuration"] not in ACCOUNT_ONLY_CONFIGURATIONS)

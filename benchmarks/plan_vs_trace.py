@@ -5,7 +5,7 @@ Times, best of ``--repeats``, each on a freshly built step function so that no J
   plan:    what ``ooc_jit`` plans with now, at half the in-core estimate: analyse (flatten, size,
            label) + the hybrid planner (``schedule.plan_hybrid``, ``recompute="auto"``: the window
            plan of the step, the recompute selector's Program rewrite and the window plan of that,
-           each timed with ``transforms.calibrate.measure_profile()``, measured once before the
+           each timed with ``rates.measure_profile()``, measured once before the
            timing as ``ooc_jit`` does once per process; ``recomputable_steps`` included) + the
            rewrite of the flat equations where something is recomputed (``apply_rewrite``) +
            cutting segments (``cut_segments``, a copy starting its own segment on a CPU as in
@@ -42,7 +42,6 @@ from oocjax.testing import (
     chain_jaxpr,
     cut_segments,
     flatten,
-    measure_profile,
     plan_hybrid,
     recomputable_steps,
     segment_functions,
@@ -52,6 +51,7 @@ from oocjax.testing import (
 if __package__ in (None, ""):  # run as ``python benchmarks/plan_vs_trace.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
+from benchmarks.rates import measure_profile
 from examples.models import Transformer, next_token_step
 
 

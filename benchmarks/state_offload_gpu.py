@@ -55,10 +55,11 @@ if __package__ in (None, ""):  # run as ``python benchmarks/state_offload_gpu.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
 from benchmarks.gpu_check import link_probe
+from benchmarks.rates import measure_profile
 from benchmarks.state_offload import BUDGETS_GIB, DRY_MODEL, MODEL, copies_counted
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
-from oocjax.testing import Launch, measure_profile, observe_segments
+from oocjax.testing import Launch, observe_segments
 
 GIB = 2**30
 FLOOR_TARGETS = {4: 1.5, 14: 1.3}  # step time over max(transfer floor, compute floor)

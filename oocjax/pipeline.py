@@ -51,6 +51,7 @@ from oocjax.schedule import (
     keep_all,
     plan_hybrid,
     plan_window,
+    profile_for,
     replay,
     required_bytes,
     runs_after,
@@ -69,7 +70,6 @@ from oocjax.transforms import (
     chain_function,
     chain_jaxpr,
     compile_segments,
-    default_profile,
     executable_chain,
     layer_runs,
     recomputable_steps,
@@ -104,6 +104,11 @@ def local_platform() -> str:
     return jax.local_devices()[0].platform
 
 
+def _published() -> DeviceProfile:
+    device = jax.local_devices()[0]
+    return profile_for(device.platform, device.device_kind)
+
+
 @dataclass(frozen=True, slots=True)
 class Seams:
     """What a planner calls that tests replace (a fault injected into a plan, a measurement forced
@@ -126,7 +131,7 @@ class StepPlanner:
     """One signature's plans: made, measured and made again, in one loop.
 
     * **Choose** (``schedule.plan_hybrid``): swap only, or recompute and swap, by simulated time
-      with the device kind's published rates (``calibrate.default_profile``).
+      with the device kind's published rates (``schedule.profile_for``).
     * **Compile and measure**: when compiled segments measure over the planned budget, their
       excess becomes scratch of their steps and the program is planned again (``MAX_REPLANS``).
     * **Run and measure** (``after_call``): a call the allocator measured over the user's budget
@@ -233,7 +238,7 @@ class StepPlanner:
         options, traced = self.options, self.traced
         traced_layers = layer_runs(traced.flat)
         timings.done("layers")
-        profile = self.profile or options.rates or default_profile()  # published rates: one plan everywhere
+        profile = self.profile or options.rates or _published()  # published rates: one plan everywhere
         choice = self._choose(traced_layers, budget, profile)
         program, schedule = choice.program, choice.schedule
         timeline = self._replayed(program, schedule)

@@ -19,10 +19,11 @@ _WHERE = {
     "CopyOut": ("oocjax.schedule.chain", "CopyOut"),
     "Launch": ("oocjax.schedule.chain", "Launch"),
     "cut_segments": ("oocjax.schedule.segments", "cut_segments"),
-    "fit_step_costs": ("oocjax.schedule.cost", "fit_step_costs"),
     "layered_training_step": ("oocjax.schedule.synthetic", "layered_training_step"),
     "plan_hybrid": ("oocjax.schedule.hybrid", "plan_hybrid"),
     "segment_signature": ("oocjax.schedule.layer_cuts", "segment_signature"),
+    "Segment": ("oocjax.schedule.segments", "Segment"),
+    "TracedStep": ("oocjax.transforms.trace", "TracedStep"),
     # tracing and analysis
     "apply_rewrite": ("oocjax.transforms.recompute", "apply_rewrite"),
     "flatten": ("oocjax.transforms.flatten", "flatten"),
@@ -33,10 +34,6 @@ _WHERE = {
     "chain_function": ("oocjax.transforms.segment", "chain_function"),
     "chain_jaxpr": ("oocjax.transforms.segment", "chain_jaxpr"),
     "segment_functions": ("oocjax.transforms.segment", "segment_functions"),
-    # the device's rates
-    "default_profile": ("oocjax.transforms.calibrate", "default_profile"),
-    "measure_profile": ("oocjax.transforms.calibrate", "measure_profile"),
-    "time_segments": ("oocjax.transforms.calibrate", "time_segments"),
     # the executor
     "observe_segments": ("oocjax.transforms.execute", "observe_segments"),
     "sharding": ("oocjax.transforms.memories", "sharding"),

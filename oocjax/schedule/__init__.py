@@ -11,7 +11,7 @@ from oocjax.schedule.feasibility import check_feasible, required_bytes
 from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
 from oocjax.schedule.measured import estimated_costs, executed_peak, with_measured_scratch, with_probed_scratch
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
-from oocjax.schedule.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, resolve_profile
+from oocjax.schedule.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, profile_for, resolve_profile
 from oocjax.schedule.program import Buffer, Program, Stay, Step, Uses
 from oocjax.schedule.recompute import choose_recompute
 from oocjax.schedule.rewrite import Rewrite, recompute_program, runs_after
@@ -61,6 +61,7 @@ __all__ = [
     "plan_hybrid",
     "plan_window",
     "pressure_bound",
+    "profile_for",
     "recompute_program",
     "replay",
     "required_bytes",

@@ -2,7 +2,8 @@
 
 The cost model (``schedule.cost``) and the lower bounds (``schedule.bounds``) price a step's compute
 and each copy with these rates. ``PROFILES`` holds named datasheet figures; ``resolve_profile``
-reads a profile or a name; ``transforms.calibrate`` measures or fits a profile for the device at hand.
+reads a profile or a name; ``profile_for`` is the published one of a device (``benchmarks/rates.py``
+measures and fits profiles).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class DeviceProfile:
       op_overhead_s: fixed cost of launching one operation.
       copy_latency_s: fixed cost of one copy, in a direction without its own latency below.
       h2d_latency_s, d2h_latency_s: fixed cost of one copy host-to-device and device-to-host, where
-        measured per direction (``transforms.calibrate.measure_profile``); None: ``copy_latency_s``.
+        measured per direction (``benchmarks/rates.py``); None: ``copy_latency_s``.
       copies_overlap_compute: whether copies run beside compute (a GPU's copy engines) or take the
         same cores and memory bandwidth as compute (a CPU, where a copy is a memcpy): then compute
         waits while a copy runs.
@@ -123,6 +124,22 @@ PROFILES: dict[str, DeviceProfile] = {
 
 DEFAULT_PROFILE: DeviceProfile = PROFILES["h100-pcie"]
 """The profile views use when none is named: the slower H100, so estimated step times err long."""
+
+
+def profile_for(platform: str, device_kind: str) -> DeviceProfile:
+    """The published profile plans on a device are chosen with: ``PROFILES["cpu"]`` on a CPU, the
+    matching NVIDIA part by its device kind (``jax.Device.device_kind``), else ``DEFAULT_PROFILE``.
+
+    >>> profile_for("cpu", "cpu").name, profile_for("gpu", "NVIDIA H200").name
+    ('cpu', 'h200')
+    """
+    if platform == "cpu":
+        return PROFILES["cpu"]
+    kind = device_kind.upper()
+    for token, name in (("GH200", "gh200"), ("H200", "h200"), ("H100 PCIE", "h100-pcie"), ("H100", "h100-sxm")):
+        if token in kind:
+            return PROFILES[name]
+    return DEFAULT_PROFILE
 
 
 def resolve_profile(profile: DeviceProfile | str) -> DeviceProfile:

@@ -15,7 +15,6 @@ _MODULE_OF = {
     "chain_function": "segment",
     "chain_jaxpr": "segment",
     "compile_segments": "compile",
-    "default_profile": "calibrate",
     "executable_chain": "segment",
     "layer_runs": "layers",
     "recomputable_steps": "recompute",

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.rates import measure_profile
 from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax.schedule import plan_window, required_bytes, simulate, simulate_time
 from oocjax.schedule.hybrid import MOVE_MARGIN, plan_hybrid
 from oocjax.schedule.synthetic import layered_training_step
-from oocjax.transforms.calibrate import measure_profile
 from oocjax.transforms.recompute import recomputable_steps
 from oocjax.transforms.trace import trace_step
 from tests.support import zoo

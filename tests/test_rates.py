@@ -1,5 +1,6 @@
-"""Measured device rates, the link as latency plus bandwidth, the pressure bound inside the timed
-simulation's lower bound, and fitting the cost model to measured segment times."""
+"""Measured device rates and the link as latency plus bandwidth (``benchmarks/rates.py``), the
+pressure bound inside the timed simulation's lower bound (``oocjax.schedule.cost``), and fitting
+the cost model to measured segment times."""
 
 import math
 import random
@@ -12,6 +13,15 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from benchmarks import rates
+from benchmarks.rates import (
+    LinkFit,
+    calibrate_program_costs,
+    default_profile,
+    fit_step_costs,
+    measure_profile,
+    time_segments,
+)
 from oocjax.schedule import (
     PROFILES,
     Buffer,
@@ -29,10 +39,7 @@ from oocjax.schedule import (
     simulate_time,
     swap_all_just_in_time,
 )
-from oocjax.schedule.cost import calibrate_program_costs, fit_step_costs
 from oocjax.schedule.segments import cut_segments
-from oocjax.transforms import calibrate
-from oocjax.transforms.calibrate import LinkFit, default_profile, measure_profile, time_segments
 from oocjax.transforms.trace import trace_step
 from tests.support.programs import MiB, programs
 
@@ -70,7 +77,7 @@ def test_the_measured_profile_is_measured_once_per_device_kind(monkeypatch):
         raise AssertionError("measure_profile measured the device again")
 
     for name in ("_link_fits", "_matmul_rate", "_memory_rate"):
-        monkeypatch.setattr(calibrate, name, probe)
+        monkeypatch.setattr(rates, name, probe)
     assert measure_profile(jax.devices()[0]) is first  # a look-up, not a second measurement
     with pytest.raises(AssertionError, match="measured the device again"):
         measure_profile(refresh=True)  # the probes it would have measured with
@@ -88,7 +95,7 @@ class _Accelerator:
 @pytest.mark.parametrize("budget_gib", [None, 14, 4, 0.25])
 def test_an_accelerators_probes_hold_at_most_an_eighth_of_the_budget_and_do_the_same_work(budget_gib):
     budget = None if budget_gib is None else int(budget_gib * 2**30)
-    sizes = calibrate.ProbeSizes.for_device(_Accelerator(), budget)
+    sizes = rates.ProbeSizes.for_device(_Accelerator(), budget)
     matmul_bytes = 3 * sizes.matmul_n**2 * 4  # the matrix, a product, the next product
     elementwise_bytes = 3 * sizes.elementwise_bytes  # the array, a result, the next result
     room = 139 * 2**30 // 8 if budget is None else budget // 8
@@ -102,8 +109,8 @@ def test_repeated_probes_measure_the_rates_of_one_large_probe_on_this_cpu():
     """The products and passes in a row are the work the rates count: on the CPU the matrix product
     repeated measures within a factor of two of the same product made once (a fused pass, alike)."""
     device = jax.devices()[0]
-    once = calibrate._matmul_rate(device, 256, 1, 0.2)
-    repeated = calibrate._matmul_rate(device, 256, 8, 0.2)
+    once = rates._matmul_rate(device, 256, 1, 0.2)
+    repeated = rates._matmul_rate(device, 256, 8, 0.2)
     assert 0.5 < repeated / once < 2
 
 
