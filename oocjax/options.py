@@ -23,6 +23,11 @@ DEFAULT_MIN_SEGMENT_FLOPS = {"cpu": 10**8, "gpu": 4 * 10**11, "cuda": 4 * 10**11
 # explained (fragmentation), growing over the step (benchmarks/results/gpu_gate-*.json). A CPU
 # has no allocator statistics to learn from, and its runs are checked by their live arrays.
 DEFAULT_HEADROOM = {"gpu": 0.08, "cuda": 0.08, "rocm": 0.08}
+# XLA:CPU drops optimization barriers before its last common-subexpression pass, so inside one
+# program a recomputed value is merged back into its original (read in its HLO pass dumps): there a
+# copy must not run in one program with its original or another copy of it. XLA:GPU removes them
+# only after scheduling.
+MERGES_COPIES = {"cpu": True}
 # Host memory a plan leaves to the rest of the machine when no host_budget is given, as a fraction
 # of what is available when the step is planned.
 HOST_MARGIN = 0.1

@@ -1,31 +1,25 @@
-"""The stages after tracing, for one signature: plan -> segment -> compile, closed on the budget.
-
-  plan (``schedule.plan_window``) -> cut (``schedule.cut_segments``) -> segment functions and the
-  chain jaxpr (``transforms.segment``) -> compile and measure (``transforms.execute``)
-
-The compiled segments' own memory reports close the loop: when the chain's executed peak is over
-the budget, the program learns each segment's measured excess as scratch and is planned again.
-What the loop settles on (``settled.SettledPlan``) is what the step is built from, and what the plan
-cache keeps; why a step is refused is said in ``oocjax.refusals``.
+"""The stages after tracing, for one signature, closed on the budget: plan (``schedule.plan_hybrid``)
+-> cut (``schedule.cut_segments``) -> compile and measure (``transforms.compile``) -> build
+(``oocjax.built``). When the compiled segments' own memory reports put the chain over the budget,
+the program learns each one's excess as scratch and is planned again. What the loop settles on
+(``schedule.SettledPlan``) is what the step is built from and what the plan cache keeps; why a step
+is refused is said in ``oocjax.refusals``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
 import jax
 
 import oocjax.plan_cache as plan_cache
 from oocjax.attempts import Attempt, Rewritten
-from oocjax.budget import Budget, available_host_bytes
+from oocjax.budget import Budget
+from oocjax.built import BuiltStep, StepContext, build_step
 from oocjax.errors import BudgetInfeasibleError, OocError
 from oocjax.host_limit import host_limit
-from oocjax.options import DEFAULT_HEADROOM, PlannerOptions
-from oocjax.plan import Plan
+from oocjax.options import DEFAULT_HEADROOM, MERGES_COPIES, PlannerOptions
 from oocjax.refusals import (
     check_host_peak,
     over_budget_message,
@@ -43,15 +37,11 @@ from oocjax.schedule import (
     Schedule,
     SettledPlan,
     chain_of,
-    check_chain,
     cut_segments,
     estimated_costs,
-    executed_peak,
     format_bytes,
     keep_all,
     plan_hybrid,
-    plan_window,
-    profile_for,
     replay,
     required_bytes,
     runs_after,
@@ -60,71 +50,14 @@ from oocjax.schedule import (
     with_measured_scratch,
     with_probed_scratch,
 )
+from oocjax.seams import Seams, published_profile
 from oocjax.timings import Timings
-from oocjax.transforms import (
-    ChainExecutor,
-    DeviceAccess,
-    FlatProgram,
-    Layout,
-    TracedStep,
-    chain_function,
-    chain_jaxpr,
-    compile_segments,
-    executable_chain,
-    layer_runs,
-    recomputable_steps,
-    segment_functions,
-    trace_arguments,
-)
+from oocjax.transforms import TracedStep, layer_runs, recomputable_steps, segment_functions
 
 __all__ = ["DEFAULT_HEADROOM", "MAX_REPLANS", "MAX_RUNTIME_REPLANS", "BuiltStep", "Seams", "StepPlanner"]
 
 MAX_REPLANS = 4  # closed loop on the budget: re-plans after the compiled segments came out too large
 MAX_RUNTIME_REPLANS = 3  # plans made again after calls measured over the budget on the device
-
-
-@dataclass(frozen=True, slots=True)
-class BuiltStep:
-    """What one signature runs: its plan and, when something moves, the chain's executor (else
-    the step is ``jax.jit``'s own program)."""
-
-    plan: Plan
-    executor: ChainExecutor | None
-    segment_functions: tuple[Callable, ...] = ()
-    programs: tuple[Any, ...] = ()  # compiled, per segment
-    flat: FlatProgram | None = None  # the flat program the segments run (with recomputed copies)
-    layout: Layout | None = None  # on a mesh, its every value's sharding
-
-    @property
-    def input_kinds(self) -> tuple[str, ...]:
-        return self.plan.input_kinds
-
-
-def local_platform() -> str:
-    return jax.local_devices()[0].platform
-
-
-def _published() -> DeviceProfile:
-    device = jax.local_devices()[0]
-    return profile_for(device.platform, device.device_kind)
-
-
-@dataclass(frozen=True, slots=True)
-class Seams:
-    """What a planner calls that tests replace (a fault injected into a plan, a measurement forced
-    over the budget, another machine); every planner uses these defaults otherwise. Where
-    ``keeps_programs`` is None, the plan cache keeps compiled programs as ``plan_cache.KEEPS_PROGRAMS``
-    says for the platform."""
-
-    trace: Callable[..., TracedStep] = trace_arguments
-    plan_window: Callable[..., Schedule] = plan_window
-    compile_segments: Callable[..., tuple] = compile_segments
-    executed_peak: Callable[..., tuple[int, int | None]] = executed_peak
-    check_chain: Callable[..., tuple] = check_chain
-    platform: Callable[[], str] = local_platform
-    available_host_bytes: Callable[[], int | None] = available_host_bytes
-    keeps_programs: bool | None = None
-    device_access: DeviceAccess | None = None  # how the executor reads and waits on the device
 
 
 class StepPlanner:
@@ -142,10 +75,9 @@ class StepPlanner:
     donated): they stay on the device, and every plan counts them there. ``host_bytes_in_use`` is
     host memory the arguments already take (in the plans' host peak, not in what is available).
 
-    With a ``profile``, the step is planned for that device from any machine: with its rates and its
-    platform's host limits, and each segment's memory estimated (``schedule.estimated_costs``)
-    instead of compiled. Nothing is compiled or allocated, and the step it builds does not run.
-    ``timings`` holds the stages so far (the trace); each stage here is recorded there and logged.
+    With a ``profile``, the step is planned for that device from any machine, with its rates and its
+    platform's host limits, each segment's memory estimated (``schedule.estimated_costs``): nothing
+    is compiled, allocated or run. ``timings`` holds the stages so far; each stage here joins them.
     """
 
     def __init__(
@@ -172,8 +104,7 @@ class StepPlanner:
         self.host_limit = host_limit(options, host_bytes_in_use, self.platform, available)
         # On a mesh every byte figure is per device, and this process keeps host copies for each of its devices.
         self.local_copies = 1 if traced.layout is None else len(traced.layout.replicated.addressable_devices)
-        self.compiled: dict = {}
-        self.runtime_replans = 0
+        self.compiled, self.runtime_replans = {}, 0  # programs by key, shared by every plan; re-plans after calls
         self.budget = Budget(user_bytes=budget_bytes, headroom_bytes=options.headroom_bytes)
         self.built = self._build(self.budget, timings or Timings())
 
@@ -238,7 +169,7 @@ class StepPlanner:
         options, traced = self.options, self.traced
         traced_layers = layer_runs(traced.flat)
         timings.done("layers")
-        profile = self.profile or options.rates or _published()  # published rates: one plan everywhere
+        profile = self.profile or options.rates or published_profile()  # published rates: one plan everywhere
         choice = self._choose(traced_layers, budget, profile)
         program, schedule = choice.program, choice.schedule
         timeline = self._replayed(program, schedule)
@@ -253,7 +184,7 @@ class StepPlanner:
             min_segment_flops=options.min_segment_flops,
             min_segments=options.min_segments,
             layers=layers,
-            copies=rewritten.flat.recomputed_pairs if _MERGES_COPIES.get(self.platform) else (),
+            copies=rewritten.flat.recomputed_pairs if MERGES_COPIES.get(self.platform) else (),
         )
         attempts: list[Attempt] = []
         while True:
@@ -334,60 +265,16 @@ class StepPlanner:
         return functions, programs, costs
 
     def _finish(self, budget, settled: SettledPlan, rewritten: Rewritten, programs=(), functions=(), timings=None):
-        """The step that runs a settled plan: ``jax.jit``'s program when nothing moves, else the
-        chain of ``programs`` (compiled, per segment) with its segments' ``functions`` where made."""
-        traced, chain = self.traced, settled.chain
+        """The step that runs a settled plan (``built.build_step``), its host memory checked first."""
         check_host_peak(settled.timeline.host_peak_bytes, self.host_limit, self.local_copies)
-        described = self._description(settled, budget)
-        if chain is None:
-            plan = Plan.build(jaxpr=traced.jaxpr, **described)
-            timings.done("build")
-            return BuiltStep(dataclasses.replace(plan, timings=tuple(timings.stages)), None)
-        flat, labels, layout = rewritten.flat, rewritten.labels, rewritten.layout
-        functions = functions or tuple(segment_functions(flat, settled.segments, labels, layout))
-        measured = dict(chain=chain, segments=settled.segments, segment_costs=settled.costs)
-        shown = functools.partial(
-            chain_jaxpr, chain_function(flat, chain, functions, labels), flat, described["input_kinds"]
+        context = StepContext(
+            traced=self.traced,
+            in_core=self.in_core,
+            budget=budget,
+            profile=self.profile,
+            access=self.seams.device_access,
         )
-        if self.profile is not None:  # estimated, not compiled: nothing to run
-            plan = Plan.build(jaxpr=shown, executed_peak_bytes=None, **measured, **described)
-            timings.done("build")
-            return BuiltStep(dataclasses.replace(plan, timings=tuple(timings.stages)), None)
-        plan = Plan.build(
-            jaxpr=shown, attempts=settled.attempts, executed_peak_bytes=settled.peak, **measured, **described
-        )
-        executable = executable_chain(flat, chain, programs, settled.costs, labels, layout)
-        executor = ChainExecutor(executable, budget.planned_bytes, functions, self.seams.device_access)
-        timings.done("build")
-        plan = dataclasses.replace(plan, timings=tuple(timings.stages))
-        return BuiltStep(plan, executor, functions, tuple(programs), flat=flat, layout=layout)
-
-    def _description(self, settled: SettledPlan, budget: Budget) -> dict:
-        """What a plan says whether or not anything moves (``Plan.build``'s shared keywords), for the
-        device at hand or the profile it was planned for."""
-        traced, choice, schedule, profile = self.traced, settled.choice, settled.schedule, self.profile
-        kinds = tuple("pinned_host" if b in schedule.host_inputs else "device" for b in range(traced.flat.num_inputs))
-        return dict(
-            program=settled.program,
-            schedule=schedule,
-            timeline=settled.timeline,
-            baseline_timeline=self.in_core,
-            source_jaxpr=traced.jaxpr,
-            budget_bytes=budget.user_bytes,
-            headroom_bytes=budget.headroom_bytes,
-            rewrite=choice.rewrite if choice.rewrite.recomputed else None,
-            step_time_s=choice.step_time_s if settled.step_time_s is None else settled.step_time_s,
-            in_core_time_s=choice.in_core_time_s,
-            swap_only_time_s=choice.swap_only_time_s,
-            swap_only_moved_bytes=None if choice.swap_only is None else choice.swap_only.moved_bytes(traced.program),
-            recomputed_by_block=choice.by_block and bool(choice.rewrite.recomputed),
-            loops=traced.flat.loops,
-            input_kinds=kinds,
-            device=jax.local_devices()[0].device_kind if profile is None else profile.name,
-            compiled=profile is None,
-            mesh="" if traced.layout is None else traced.layout.mesh,
-            layers=settled.layers,
-        )
+        return build_step(settled, rewritten, context, timings, programs, functions)
 
     def _choose(self, runs: Sequence, budget: Budget, profile: DeviceProfile) -> HybridPlan:
         """The first plan of a budget: swap only, or recompute and swap (``schedule.plan_hybrid``),
@@ -428,10 +315,3 @@ class StepPlanner:
         timeline, violations = replay(program, schedule)
         refuse_invalid("plan", violations)
         return timeline
-
-
-# XLA:CPU drops optimization barriers before its last common-subexpression pass, so inside one
-# program a recomputed value is merged back into its original (read in its HLO pass dumps): there a
-# copy must not run in one program with its original or another copy of it. XLA:GPU removes them
-# only after scheduling.
-_MERGES_COPIES = {"cpu": True}
