@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from oocjax.schedule import keep_all, simulate_time
-from oocjax.testing import cut_segments, trace_step
+from oocjax.schedule import cut_segments, keep_all, simulate_time
+from oocjax.testing import trace_step
 
 if __package__ in (None, ""):  # run as ``python benchmarks/calibration.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

@@ -67,8 +67,8 @@ from benchmarks._machine import machine
 from benchmarks.rates import measure_profile
 from examples.models import Block, next_token_step
 from oocjax import ooc_jit
-from oocjax.schedule import keep_all, simulate, simulate_time
-from oocjax.testing import plan_hybrid, recomputable_steps, trace_step
+from oocjax.schedule import keep_all, plan_hybrid, simulate, simulate_time
+from oocjax.testing import recomputable_steps, trace_step
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(layers=4, width=128, heads=4, batch=8, seq=128, vocab=512)

@@ -35,14 +35,21 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from oocjax.schedule import chain_of, keep_all, plan_window, simulate, simulate_time, validate
+from oocjax.schedule import (
+    chain_of,
+    cut_segments,
+    keep_all,
+    plan_hybrid,
+    plan_window,
+    simulate,
+    simulate_time,
+    validate,
+)
 from oocjax.testing import (
     apply_rewrite,
     chain_function,
     chain_jaxpr,
-    cut_segments,
     flatten,
-    plan_hybrid,
     recomputable_steps,
     segment_functions,
     to_program,

@@ -33,9 +33,8 @@ import numpy as np
 if __package__ in (None, ""):  # imported from a script in benchmarks/: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from oocjax.schedule import DEFAULT_PROFILE, DeviceProfile, MiB, Program, Step, resolve_profile
-from oocjax.schedule.profiles import profile_for
-from oocjax.testing import Segment, TracedStep, segment_functions
+from oocjax.schedule import DEFAULT_PROFILE, DeviceProfile, MiB, Program, Segment, Step, profile_for, resolve_profile
+from oocjax.testing import TracedStep, segment_functions
 
 _GiB = 1024 * MiB
 _MEASURED: dict[tuple[str, str], DeviceProfile] = {}  # (platform, device kind) -> its measured profile

@@ -18,7 +18,10 @@ from oocjax.schedule import (
     SettledPlan,
     simulate_time,
 )
-from oocjax.transforms import FlatProgram, Layout, TracedStep, apply_rewrite
+from oocjax.transforms.flat import FlatProgram
+from oocjax.transforms.recompute import apply_rewrite
+from oocjax.transforms.shardings import Layout
+from oocjax.transforms.trace import TracedStep
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,9 @@ import jax
 
 from oocjax.budget import available_host_bytes
 from oocjax.schedule import DeviceProfile, Schedule, check_chain, executed_peak, plan_window, profile_for
-from oocjax.transforms import DeviceAccess, TracedStep, compile_segments, trace_arguments
+from oocjax.transforms.account import DeviceAccess
+from oocjax.transforms.compile import compile_segments
+from oocjax.transforms.trace import TracedStep, trace_arguments
 
 
 def local_platform() -> str:
