@@ -26,17 +26,16 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as ``python benchmarks/simulated.py``: put the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._machine import machine
+from benchmarks.baselines import fixed_lookahead, swap_all_just_in_time
 from benchmarks.models import gpu_suite
 from oocjax import ooc_jit
 from oocjax.schedule import (
-    fixed_lookahead,
     format_bytes,
     keep_all,
     plan_window,
     required_bytes,
     simulate,
     simulate_time,
-    swap_all_just_in_time,
 )
 
 PROFILES = ("h100-pcie", "gh200")

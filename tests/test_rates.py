@@ -14,6 +14,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from benchmarks import rates
+from benchmarks.baselines import fixed_lookahead, swap_all_just_in_time
 from benchmarks.rates import (
     LinkFit,
     calibrate_program_costs,
@@ -31,13 +32,11 @@ from oocjax.schedule import (
     Program,
     Schedule,
     Step,
-    fixed_lookahead,
     keep_all,
     plan_window,
     required_bytes,
     simulate,
     simulate_time,
-    swap_all_just_in_time,
 )
 from oocjax.schedule.segments import cut_segments
 from oocjax.transforms.trace import trace_step

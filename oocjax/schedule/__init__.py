@@ -3,14 +3,13 @@
 Nothing here imports jax or numpy, so plans are cheap to compute and to test.
 """
 
-from oocjax.schedule.baselines import fixed_lookahead, keep_all, swap_all_just_in_time
 from oocjax.schedule.bounds import PressureBound, pressure_bound
 from oocjax.schedule.chain import Chain, chain_of, check_chain, check_segments
 from oocjax.schedule.cost import TimedResult, simulate_time
 from oocjax.schedule.feasibility import check_feasible, required_bytes
 from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
 from oocjax.schedule.measured import estimated_costs, executed_peak, with_measured_scratch, with_probed_scratch
-from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
+from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule, keep_all
 from oocjax.schedule.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, profile_for, resolve_profile
 from oocjax.schedule.program import Buffer, Program, Stay, Step, Uses
 from oocjax.schedule.recompute import choose_recompute
@@ -54,7 +53,6 @@ __all__ = [
     "cut_segments",
     "estimated_costs",
     "executed_peak",
-    "fixed_lookahead",
     "format_bytes",
     "keep_all",
     "parse_bytes",
@@ -69,7 +67,6 @@ __all__ = [
     "runs_after",
     "simulate",
     "simulate_time",
-    "swap_all_just_in_time",
     "unfitted_ranges",
     "validate",
     "with_measured_scratch",

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from oocjax.errors import BudgetInfeasibleError
-from oocjax.schedule.baselines import keep_all
 from oocjax.schedule.blocks import block_targets
 from oocjax.schedule.cost import simulate_time
-from oocjax.schedule.moves import Schedule
+from oocjax.schedule.moves import Schedule, keep_all
 from oocjax.schedule.profiles import DeviceProfile
 from oocjax.schedule.program import Program
 from oocjax.schedule.recompute import choices_alike, choose_recompute

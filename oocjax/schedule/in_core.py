@@ -6,7 +6,7 @@ it, often of the same program: the last few answers are kept.
 
 from __future__ import annotations
 
-from oocjax.schedule.baselines import keep_all
+from oocjax.schedule.moves import keep_all
 from oocjax.schedule.program import Program
 from oocjax.schedule.simulate import simulate
 

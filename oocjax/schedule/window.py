@@ -39,11 +39,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from oocjax.schedule.baselines import keep_all
 from oocjax.schedule.feasibility import check_feasible, check_window
 from oocjax.schedule.gc_paused import gc_paused
 from oocjax.schedule.homes import resident_candidates, settle_homes
-from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule
+from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule, keep_all
 from oocjax.schedule.program import Program, held_for_whole_step
 from oocjax.schedule.ranges import cheapest_in_ranges, layer_of_steps
 from oocjax.schedule.simulate import simulate

@@ -3,17 +3,16 @@
 import pytest
 from hypothesis import assume, given
 
+from benchmarks.baselines import fixed_lookahead, swap_all_just_in_time
 from oocjax.schedule import (
     Offload,
     Prefetch,
     Program,
     Schedule,
-    fixed_lookahead,
     keep_all,
     plan_window,
     required_bytes,
     simulate,
-    swap_all_just_in_time,
     validate,
 )
 from oocjax.schedule.cost import simulate_time
