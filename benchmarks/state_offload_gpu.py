@@ -152,7 +152,10 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
     built = _built(step)
     executor = built.executor
     row["operations_before_launches"] = operations_before_launches(executor.chain.operations)
-    row |= dict(measured_peak_bytes=executor.measured_peak_bytes, foreign_bytes=executor.memory.foreign_bytes)
+    peak = (jax.local_devices()[0].memory_stats() or {}).get(
+        "peak_bytes_in_use"
+    )  # the process's, as the executor reads it
+    row |= dict(process_peak_bytes=peak, foreign_bytes=executor.memory.foreign_bytes)
     plan = step.plan(state, tokens)
     per_step = timed_steps + 1
     kept_in = sum(h.nbytes for h in plan.host_inputs)

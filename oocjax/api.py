@@ -151,16 +151,15 @@ class OocJitted:
         copies = [leaf is not original for original, leaf in zip(leaves, moved)]
         deleted = delete_donated_originals(leaves, copies, traced.donated)
         del leaves
+
         # The executor takes the list over, deleting the copies made here at their last use.
-        try:
-            results = built.executor(moved, copies)
-        except BaseException as error:
-            consumed = sorted({*deleted, *built.executor.consumed_arguments})
-            if consumed:
-                error.add_note(consumed_note(traced, consumed))
-            raise
-        if warning := planner.after_call(built.executor.measured_peak_bytes):
+        def consumed(by_launches: list[int]) -> str | None:
+            return consumed_note(traced, sorted({*deleted, *by_launches})) if deleted or by_launches else None
+
+        run = built.executor(moved, copies, on_failure=consumed)
+        if warning := planner.after_call(run.measured_peak_bytes):
             warnings.warn(f"oocjax: a call of {_step_name(self.fun)} {warning}", stacklevel=3)
+        results = run.results
         delete_unreturned(donated, results)
         return jax.tree.unflatten(traced.out_tree, results)
 

@@ -10,7 +10,6 @@ what the launch allocates fits the budget.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,21 +46,18 @@ class LaunchAccount:
     foreign_bytes: int = 0
 
 
-# Set within ``observe_segments`` only, in the context that entered it (a thread's own, for example).
-_observer: contextvars.ContextVar[Callable[[LaunchAccount], None] | None] = contextvars.ContextVar(
-    "oocjax_segment_observer", default=None
-)
+_observers: list[Callable[[LaunchAccount], None]] = []  # those of the ``observe_segments`` blocks open now
 
 
 @contextlib.contextmanager
 def observe_segments(callback: Callable[[LaunchAccount], None]) -> Iterator[None]:
     """Calls ``callback(launch)`` just before each segment is launched (for tests and tools that
     sample memory, e.g. ``jax.live_arrays()`` or ``memory_stats()``, at every boundary)."""
-    token = _observer.set(callback)
+    _observers.append(callback)
     try:
         yield
     finally:
-        _observer.reset(token)
+        _observers.remove(callback)
 
 
 def _device_bytes(x: Any) -> int:
@@ -73,24 +69,34 @@ def _in_host(x: Any) -> Any:
     return x.sharding.with_memory_kind("pinned_host")
 
 
+Noting = Callable[[list[int]], str | None] | None  # what to note on a failed call's error, of its consumed arguments
+
+
+@dataclass(frozen=True, slots=True)
+class ChainRun:
+    """What one call of the chain returns: the step's flat results, and the device peak it measured
+    (None where the device reports no allocator statistics, or the gate is off)."""
+
+    results: list[Any]
+    measured_peak_bytes: int | None
+
+
 class ChainExecutor:
     """Runs an ``ExecutableChain`` (``transforms.segment.executable_chain``) on the step's flat
     arguments: one loop over the chain's operations, each slot dropped where the chain says.
 
-    Where the device reports its allocator's statistics, each call also measures its own peak,
-    ``measured_peak_bytes``: the allocator's count at each launch plus what the launch allocates,
+    Where the device reports its allocator's statistics, each call also measures its own peak
+    (``ChainRun.measured_peak_bytes``): the allocator's count at each launch plus what the launch allocates,
     and the process's peak if the call raised it, less the memory that was not the executor's when
     the call started. That includes what no account sees (the allocator's fragmentation), so the
     caller can plan again when it is over the budget."""
-
-    measured_peak_bytes: int | None = None  # of the last call; None where the device reports nothing
 
     def __init__(self, executable: ExecutableChain, budget_bytes: int, functions: Sequence[Callable] = (), access=None):
         self.executable, self.chain, self.budget_bytes = executable, executable.chain, budget_bytes
         self.functions = list(functions)  # the jitted segments, run instead under jax_debug_nans / _infs
         self._checked_functions: dict[int, Callable] = {}  # those segments without donation, made when first run
         self.argument_of_slot = {slot: i for i, slot in enumerate(self.chain.argument_slots)}
-        self.consumed_arguments: list[int] = []  # of the last call: caller's arrays a launch consumed
+        self._consumed_arguments: list[int] = []  # of the call running: caller's arrays a launch consumed
         self.host, self.device = sharding("pinned_host"), sharding("device")
         device = next(iter(self.device.device_set))
         self.access = access = access or DeviceAccess()
@@ -101,18 +107,18 @@ class ChainExecutor:
         self.peak_in_use = access.peak_reader(device)
         self._follow = {Wait: self._wait, CopyIn: self._prefetch, Launch: self._launch, CopyOut: self._offload}
 
-    def __call__(self, arguments: list[Any], owned: Sequence[bool] = ()) -> list[Any]:
+    def __call__(self, arguments: list[Any], owned: Sequence[bool] = (), on_failure: Noting = None) -> ChainRun:
         """Runs the chain on the flat arguments, taking the list over: it is emptied, so that no
         argument outlives its last use here. ``owned`` marks arguments that are copies made for
         this call (moved to the memory the plan wants them in): deleted at their last use.
 
         Not reentrant: one call at a time (``ooc_jit`` holds a lock around it). If the call fails,
         or is interrupted between segments, it waits for the work in flight, deletes what it made
-        and lets go of everything else before the error propagates; ``consumed_arguments`` then
-        lists the arguments whose device buffers a launch had consumed (donated)."""
+        and lets go of everything else before the error propagates, with the note ``on_failure``
+        makes of the arguments whose device buffers a launch had consumed (donated), if any."""
         memory, executable, chain = self.memory, self.executable, self.chain
         memory.start_call()
-        self.consumed_arguments = []
+        self._consumed_arguments = []
         self._deleted_at_launch: list[tuple[int, Any]] = []
         peak_before = self.peak_in_use() if self.peak_in_use is not None else None
         self._launch_peak: int | None = None
@@ -139,11 +145,12 @@ class ChainExecutor:
                 jax.device_put(value, self.device) if slot is None else slots[slot]
                 for slot, value in zip(chain.result_slots, executable.result_literals, strict=True)
             ]
-        except BaseException:
+        except BaseException as error:
             self._abandon(slots)
+            if on_failure is not None and (note := on_failure(self._consumed_arguments)):
+                error.add_note(note)
             raise
-        self._measure(peak_before)
-        return results
+        return ChainRun(results=results, measured_peak_bytes=self._measured(peak_before))
 
     # One method per operation of the chain. Transfers are named as in the chain's jaxpr
     # (``oocjax.offload(<value>)``): a profiler trace says what moves.
@@ -179,7 +186,7 @@ class ChainExecutor:
     def _delete(self, deleted: list[tuple[int, Any]]) -> None:
         for slot, x in deleted:
             x.delete()
-            self.consumed_arguments.append(self.argument_of_slot[slot])
+            self._consumed_arguments.append(self.argument_of_slot[slot])
 
     def _launch(self, op: Launch, name: str, slots: list[Any]) -> None:
         """Launches a segment once there is room for it."""
@@ -188,7 +195,7 @@ class ChainExecutor:
         inputs = [slots[b] for b in op.inputs]
         inputs += executable.literals[op.segment]
         memory.make_room(cost.launch_bytes)
-        if (observer := _observer.get()) is not None:
+        for observer in _observers:  # every thread's launches, as the block is open
             observer(
                 LaunchAccount(
                     segment=op.segment,
@@ -231,7 +238,7 @@ class ChainExecutor:
         for x in donated:
             if not x.is_deleted():
                 x.delete()
-        self.consumed_arguments += [
+        self._consumed_arguments += [
             self.argument_of_slot[b]
             for b, d, x in zip(op.inputs, op.donated, inputs)
             if d and b in self.argument_of_slot and id(x) not in self.memory.owned and x.is_deleted()
@@ -283,12 +290,12 @@ class ChainExecutor:
             self._checked_functions[segment] = jax.jit(function, in_shardings=inputs, out_shardings=outputs)
         return self._checked_functions[segment]
 
-    def _measure(self, peak_before: int | None) -> None:
-        """Sets ``measured_peak_bytes`` for the call just made. Allocations happen when work is
+    def _measured(self, peak_before: int | None) -> int | None:
+        """The call's peak (``ChainRun.measured_peak_bytes``). Allocations happen when work is
         enqueued, so the process's peak is final once the last launch is enqueued."""
         peak_after = self.peak_in_use() if self.peak_in_use is not None else None
         raised = (
             peak_after - self.memory.foreign_bytes if peak_before is not None and peak_after > peak_before else None
         )
         samples = [x for x in (self._launch_peak, raised) if x is not None]
-        self.measured_peak_bytes = max(samples) if samples else None
+        return max(samples) if samples else None
