@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 
 from oocjax.schedule.gc_paused import gc_paused
-from oocjax.schedule.in_core import in_core_bytes
 from oocjax.schedule.profiles import DeviceProfile, resolve_profile
 from oocjax.schedule.program import Program
 from oocjax.schedule.units import MiB
@@ -76,7 +75,7 @@ def pressure_bound(
     3 MiB more must come from ``a``, which step 3 reads: out and back, twice its bytes.
     """
     with gc_paused():
-        device = in_core_bytes(program)
+        device = program.in_core_bytes
         pools = _removable_pools(program, min_offload_bytes)
         bound = PressureBound(moved_bytes=0, step=None, excess_bytes=0)
         for p, live in enumerate(device):

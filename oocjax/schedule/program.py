@@ -143,6 +143,15 @@ class Program:
         return {buf.aliased_input: b for b, buf in enumerate(self.buffers) if buf.aliased_input is not None}
 
     @cached_property
+    def in_core_bytes(self) -> tuple[int, ...]:
+        """Device bytes per step with nothing moved, through the simulator (computed once: the
+        recompute rewrite, the selector's every pick and the pressure bound ask it)."""
+        from oocjax.schedule.moves import keep_all  # they build on Program
+        from oocjax.schedule.simulate import simulate
+
+        return simulate(self, keep_all(self)).device_bytes
+
+    @cached_property
     def uses(self) -> Uses:
         """Where each buffer is defined and read (computed once)."""
         return Uses.of(self)

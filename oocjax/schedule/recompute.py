@@ -49,7 +49,6 @@ from typing import NamedTuple
 
 from oocjax.schedule.feasibility import required_bytes
 from oocjax.schedule.gc_paused import gc_paused
-from oocjax.schedule.in_core import in_core_bytes
 from oocjax.schedule.profiles import DEFAULT_PROFILE, DeviceProfile, resolve_profile
 from oocjax.schedule.program import Program, Step
 from oocjax.schedule.rewrite import Recomputable, Rewrite, Skipped, identity_rewrite, recompute_program
@@ -135,7 +134,7 @@ def _greedy(
         rewrite(program, targets, recomputable=recomputable, across=targets) if targets else identity_rewrite(program)
     )
     rejected, skipped = set(), []
-    device = in_core_bytes(chosen.program)  # recomputed only when a pick is kept
+    device = chosen.program.in_core_bytes  # recomputed only when a pick is kept
     tried, batching = 0, batched
 
     def attempt(batch: list[_Class]) -> tuple[str | None, tuple[int, ...], Rewrite, dict, list[int]]:
@@ -196,7 +195,7 @@ def _why_not_kept(
     """Why a trial rewrite does not help (None: keep it), and its bytes in core per step."""
     if not set(members) & set(trial.recomputed):
         return "no value of its class could be recomputed across the peak", ()
-    after = in_core_bytes(trial.program)
+    after = trial.program.in_core_bytes
     if _excess(after, budget) >= _excess(device, budget):
         return "recomputing its class across the peak did not lower the in-core bytes over the budget", after
     if floor_fits and max(required_bytes(trial.program, min_offload_bytes), default=0) > budget:
@@ -270,7 +269,7 @@ def _fits_as_well(trial: Rewrite, device: Sequence[int], budget: int, floor_fits
     budget where it did not, but for a thousandth (a 4-layer decoder's bottom layer held 256 bytes
     less of 7.4 MB with its own bias gradient recomputed, and compiled two more programs), and keeps
     the smallest feasible budget within the budget."""
-    (peak, over), (was_peak, was_over) = _excess(in_core_bytes(trial.program), budget), _excess(device, budget)
+    (peak, over), (was_peak, was_over) = _excess(trial.program.in_core_bytes, budget), _excess(device, budget)
     slight = peak <= was_peak + budget / 1000 and over <= was_over * 1.001
     held = peak <= budget or (peak, over) <= (was_peak, was_over) or slight
     return held and not (floor_fits and max(required_bytes(trial.program, min_offload_bytes)) > budget)

@@ -34,7 +34,6 @@ from dataclasses import dataclass, replace
 from operator import attrgetter
 
 from oocjax.schedule.gc_paused import gc_paused
-from oocjax.schedule.in_core import in_core_bytes
 from oocjax.schedule.program import Buffer, Program, Step
 
 Recomputable = Callable[[int], bool]  # step index -> whether its equation may run twice (effect-free)
@@ -226,8 +225,8 @@ class _Rebuild:
             recomputed=tuple(sorted(self.copy_of)),
             skipped=tuple(skipped),
             extra_flops=self.extra_flops,
-            peak_bytes_before=max(in_core_bytes(self.program), default=0),
-            peak_bytes=max(in_core_bytes(rewritten), default=0),
+            peak_bytes_before=max(self.program.in_core_bytes, default=0),
+            peak_bytes=max(rewritten.in_core_bytes, default=0),
         )
 
     def _dropped(self, b: int, k: int) -> bool:
@@ -381,7 +380,7 @@ def hoisted(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Rewrite:
         program=program,
         origin_step=tuple(rewrite.origin_step[k] for k in order),
         copied_steps=tuple(i for i, k in enumerate(order) if k in copied),
-        peak_bytes=max(in_core_bytes(program), default=0),
+        peak_bytes=max(program.in_core_bytes, default=0),
     )
 
 
@@ -396,7 +395,7 @@ def _outside_every_run(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Cal
 
 def identity_rewrite(program: Program, skipped: Iterable[Skipped] = ()) -> Rewrite:
     """``program`` as it is: the rewrite that recomputes nothing."""
-    peak = max(in_core_bytes(program), default=0)
+    peak = max(program.in_core_bytes, default=0)
     return Rewrite(
         program=program,
         origin_step=tuple(range(len(program.steps))),

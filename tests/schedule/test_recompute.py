@@ -22,7 +22,6 @@ from oocjax.schedule import (
     validate,
 )
 from oocjax.schedule.bounds import pressure_bound
-from oocjax.schedule.in_core import in_core_bytes
 from oocjax.schedule.recompute import choose_recompute
 from oocjax.schedule.rewrite import Rewrite, hoisted, recompute_program, runs_after
 from oocjax.schedule.synthetic import layered_training_step
@@ -377,7 +376,7 @@ def test_below_the_in_core_reach_of_recompute_the_planner_moves_far_less():
 @pytest.mark.parametrize("layers, fraction", [(3, 0.3), (6, 0.5), (24, 0.3), (24, 0.5)])
 def test_classes_needed_together_are_rewritten_together_and_chosen_as_one_at_a_time_would(layers, fraction):
     program = layered_training_step(layers)
-    budget = int(max(in_core_bytes(program)) * fraction)
+    budget = int(max(program.in_core_bytes) * fraction)
     rewrites = []
 
     def counted(*args, **kwargs):
