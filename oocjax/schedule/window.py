@@ -114,7 +114,13 @@ def plan_window(
 
 
 def _plan_checked(
-    program: Program, budget_bytes: int, groups: Sequence[int] = (), *, window: int, min_offload_bytes: int, residents
+    program: Program,
+    budget_bytes: int,
+    groups: Sequence[int] = (),
+    *,
+    window: int,
+    min_offload_bytes: int,
+    residents=True,
 ) -> Schedule:
     check_feasible(program, budget_bytes, min_offload_bytes)
     check_window(program, window)
