@@ -18,7 +18,7 @@ if __package__ in (None, ""):  # imported from a script in benchmarks/: the repo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from oocjax.schedule import MiB, Move, Offload, Prefetch, Program, Schedule
-from oocjax.schedule.moves import move_order
+from oocjax.testing import move_order
 
 
 def fixed_lookahead(program: Program, lookahead_steps: int = 4, *, min_offload_bytes: int = MiB) -> Schedule:

@@ -26,7 +26,7 @@ from oocjax.plan import Plan
 from oocjax.refusals import state_returned_on_the_device
 from oocjax.schedule.profiles import DeviceProfile, resolve_profile
 from oocjax.timings import Timings
-from oocjax.transforms.segment import segment_specs
+from oocjax.transforms.compile import segment_specs
 from oocjax.transforms.trace import TracedStep
 
 __all__ = ["MAX_RUNTIME_REPLANS", "OocJitted", "Plan", "ooc_jit", "to_device", "to_host"]

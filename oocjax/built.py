@@ -17,9 +17,9 @@ from oocjax.plan import Plan
 from oocjax.schedule import DeviceProfile, MemoryTimeline, SettledPlan
 from oocjax.timings import Timings
 from oocjax.transforms.account import DeviceAccess
-from oocjax.transforms.execute import ChainExecutor
+from oocjax.transforms.execute import ChainExecutor, executable_chain
 from oocjax.transforms.flat import FlatProgram
-from oocjax.transforms.segment import chain_function, chain_jaxpr, executable_chain, segment_functions
+from oocjax.transforms.functions import chain_function, chain_jaxpr, segment_functions
 from oocjax.transforms.shardings import Layout
 from oocjax.transforms.trace import TracedStep
 

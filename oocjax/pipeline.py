@@ -52,9 +52,9 @@ from oocjax.schedule import (
 )
 from oocjax.seams import Seams, published_profile
 from oocjax.timings import Timings
+from oocjax.transforms.functions import segment_functions
 from oocjax.transforms.layers import layer_runs
 from oocjax.transforms.recompute import recomputable_steps
-from oocjax.transforms.segment import segment_functions
 from oocjax.transforms.trace import TracedStep
 
 __all__ = ["DEFAULT_HEADROOM", "MAX_REPLANS", "MAX_RUNTIME_REPLANS", "BuiltStep", "Seams", "StepPlanner"]

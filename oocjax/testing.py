@@ -8,15 +8,16 @@ injected, an allocator read, the executor's waits switched off), never by replac
 from oocjax.api import OocJitted
 from oocjax.schedule.chain import CopyIn, CopyOut, Launch
 from oocjax.schedule.layer_cuts import segment_signature
+from oocjax.schedule.moves import move_order
 from oocjax.schedule.synthetic import layered_training_step
 from oocjax.seams import Seams
 from oocjax.transforms.account import DeviceAccess, wait
 from oocjax.transforms.analyse import to_program
 from oocjax.transforms.execute import observe_segments
 from oocjax.transforms.flatten import flatten
+from oocjax.transforms.functions import chain_function, chain_jaxpr, segment_functions
 from oocjax.transforms.memories import put, sharding
 from oocjax.transforms.recompute import apply_rewrite, recomputable_steps
-from oocjax.transforms.segment import chain_function, chain_jaxpr, segment_functions
 from oocjax.transforms.trace import TracedStep, trace_step
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "chain_jaxpr",
     "flatten",
     "layered_training_step",
+    "move_order",
     "observe_segments",
     "put",
     "recomputable_steps",

@@ -6,7 +6,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 LONGEST_FUNCTION = 60
-LONGEST_MODULE = 450
 LONGEST_API = 230  # the public entry point reads in one sitting
 
 
@@ -25,10 +24,9 @@ def test_no_function_in_oocjax_is_longer_than_about_sixty_lines():
     assert not long, long
 
 
-def test_no_module_in_oocjax_is_longer_than_450_lines_and_the_api_than_230():
-    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in modules("oocjax")}
-    assert {p: n for p, n in lengths.items() if n > LONGEST_MODULE} == {}
-    assert lengths["oocjax/api.py"] <= LONGEST_API
+def test_the_api_module_reads_in_one_sitting():
+    # Concepts decide the other modules' lengths (one file per concept), not a line cap.
+    assert len((ROOT / "oocjax/api.py").read_text().splitlines()) <= LONGEST_API
 
 
 def module_name(path: Path) -> str:

@@ -3,7 +3,7 @@ around each launch, as one pure value.
 
 A plan carries one such value (``Plan.chain``), built once, and every reader of that order reads
 it: the executor (``transforms.execute``) runs its operations, the view
-(``transforms.segment.chain_function``, the jaxpr ``Plan.jaxpr`` shows) traces them, the replay
+(``transforms.functions.chain_function``, the jaxpr ``Plan.jaxpr`` shows) traces them, the replay
 (``check_chain``) follows them on a fake device, and the printer (``jaxpr_view``) lists them. The
 order at a segment boundary is therefore written once, here, in ``build_chain``:
 
@@ -326,7 +326,7 @@ class _ChainReplay:
 
     def _check_body(self, i: int, segment: Segment) -> None:
         """A segment's steps may read only its inputs and what its earlier steps define, and it can
-        return only what it defines (``transforms.segment`` builds its function from these lists)."""
+        return only what it defines (``transforms.functions`` builds its function from these lists)."""
         steps, known = self.program.steps[segment.start : segment.stop], set(segment.inputs)
         for k, step in enumerate(steps, segment.start):
             for b in step.reads:

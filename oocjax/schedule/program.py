@@ -18,6 +18,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
+from itertools import accumulate
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 if TYPE_CHECKING:
@@ -144,12 +145,14 @@ class Program:
 
     @cached_property
     def in_core_bytes(self) -> tuple[int, ...]:
-        """Device bytes per step with nothing moved, through the simulator (computed once: the
-        recompute rewrite, the selector's every pick and the pressure bound ask it)."""
-        from oocjax.schedule.moves import keep_all  # they build on Program
-        from oocjax.schedule.simulate import simulate
-
-        return simulate(self, keep_all(self)).device_bytes
+        """Device bytes per step with nothing moved: each buffer over its ``unmoved_spans``, plus
+        each step's scratch (the simulator's figure for ``keep_all``), computed once: the recompute
+        rewrite, the selector's every pick and the pressure bound ask it."""
+        diff = [0] * (len(self.steps) + 1)
+        for buffer, (start, end) in zip(self.buffers, self.unmoved_spans):
+            diff[start] += buffer.nbytes
+            diff[end + 1] -= buffer.nbytes
+        return tuple(live + step.transient_bytes for live, step in zip(accumulate(diff), self.steps))
 
     @cached_property
     def uses(self) -> Uses:

@@ -1,5 +1,5 @@
 """Running the chain of segments (``schedule.chain``, made executable by
-``transforms.segment.executable_chain``) with real transfers and real waits, within the budget.
+``executable_chain``) with real transfers and real waits, within the budget.
 
 The loop is ``eval_jaxpr``'s, over the chain's operations in order (waits, prefetches, launches,
 offloads), each dropping the slots whose last use it is. What it adds is memory accounting: before
@@ -16,12 +16,70 @@ from typing import Any
 
 import jax
 
-from oocjax.schedule.chain import CopyIn, CopyOut, Launch, Wait
+from oocjax.schedule.chain import OPERATION_NAMES, Chain, CopyIn, CopyOut, Launch, Operation, Wait
 from oocjax.schedule.segments import SegmentCost
+from oocjax.transforms import compat as jc
 from oocjax.transforms.account import DeviceAccess, DeviceMemory, ready_probe
-from oocjax.transforms.memories import memory_kind, sharding
-from oocjax.transforms.segment import ExecutableChain
-from oocjax.transforms.shardings import array_shard_bytes
+from oocjax.transforms.flat import FlatProgram
+from oocjax.transforms.functions import segment_literals
+from oocjax.transforms.memories import memory_kind, on_device, sharding
+from oocjax.transforms.shardings import Layout, array_shard_bytes, shard_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutableChain:
+    """A chain (``schedule.chain.Chain``) with what running it takes on JAX's side, all made once
+    per plan so that the executor (``transforms.execute``) decodes nothing per call."""
+
+    chain: Chain
+    programs: tuple[Any, ...]  # per segment, its compiled program
+    costs: tuple[SegmentCost, ...]  # per segment
+    literals: tuple[tuple[Any, ...], ...]  # per segment, device arrays passed after its inputs
+    names: tuple[str, ...]  # per operation, for profiles: ``oocjax.offload(<value>, ...)``, ``segment_3``
+    constants: tuple[tuple[int, Any], ...]  # (slot, value)
+    result_literals: tuple[Any, ...]  # per result of the step: its value where it is a literal
+    slot_bytes: tuple[int, ...]  # per slot, the device bytes of its value, per device (0 for host slots)
+    shardings: tuple[Any, ...] | None = None  # on a mesh: per buffer, its device sharding
+
+
+def executable_chain(
+    flat: FlatProgram,
+    chain: Chain,
+    programs: Sequence[Any],
+    costs: Sequence[SegmentCost],
+    labels: Sequence[str] = (),
+    layout: Layout | None = None,
+) -> ExecutableChain:
+    """The chain with its compiled ``programs`` (per segment). With a ``layout`` (a mesh), sizes
+    are per device, and constants and literals are placed on every device."""
+
+    def name(op: Operation) -> str:
+        if isinstance(op, Launch):
+            return f"segment_{op.segment}"
+        values = ", ".join(labels[b] if b < len(labels) else f"buffer {b}" for b in op.buffers)
+        return f"oocjax.{OPERATION_NAMES[type(op)]}({values})"
+
+    if layout is None:
+        nbytes = [jc.nbytes(aval) for aval in flat.avals]
+        constants, place = tuple(flat.constants), on_device
+    else:
+        nbytes = [shard_bytes(aval, s) for aval, s in zip(flat.avals, layout.shardings, strict=True)]
+        constants = tuple((b, jax.device_put(x, layout.shardings[b])) for b, x in flat.constants)
+
+        def place(values: Sequence[Any]) -> tuple[Any, ...]:
+            return tuple(jax.device_put(x, layout.replicated) for x in values)
+
+    return ExecutableChain(
+        chain=chain,
+        programs=tuple(programs),
+        costs=tuple(costs),
+        literals=tuple(place(segment_literals(flat, s)) for s in chain.segments),
+        names=tuple(map(name, chain.operations)),
+        constants=constants,
+        result_literals=tuple(r.val if isinstance(r, jc.Literal) else None for r in flat.outputs),
+        slot_bytes=(*nbytes, *(0 for _ in nbytes)),
+        shardings=None if layout is None else layout.shardings,
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,7 +140,7 @@ class ChainRun:
 
 
 class ChainExecutor:
-    """Runs an ``ExecutableChain`` (``transforms.segment.executable_chain``) on the step's flat
+    """Runs an ``ExecutableChain`` (``executable_chain``) on the step's flat
     arguments: one loop over the chain's operations, each slot dropped where the chain says.
 
     Where the device reports its allocator's statistics, each call also measures its own peak
@@ -275,7 +333,7 @@ class ChainExecutor:
     def _checked(self, segment: int) -> Callable:
         """The segment as ``jax.jit`` runs it under ``jax_debug_nans`` / ``_infs``: donating nothing,
         so that on a NaN or inf jax can run its equations again one by one and raise a
-        ``FloatingPointError`` naming the operation (``transforms.segment`` adds the source line).
+        ``FloatingPointError`` naming the operation (``transforms.functions`` adds the source line).
         On a mesh it keeps the segment's layout: each input and output in its buffer's sharding,
         the literals as they were placed (replicated)."""
         if segment not in self._checked_functions:

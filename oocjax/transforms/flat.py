@@ -2,7 +2,7 @@
 
 ``transforms.flatten`` makes it from a jaxpr (nested calls inlined, every value a buffer id); the
 later passes read it: ``transforms.analyse`` sizes and costs it for the planner,
-``transforms.recompute`` rewrites it with copies, ``transforms.segment`` cuts it into programs.
+``transforms.recompute`` rewrites it with copies, ``transforms.functions`` makes its segments into functions.
 """
 
 from __future__ import annotations

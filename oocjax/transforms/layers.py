@@ -28,8 +28,8 @@ import numpy as np
 
 from oocjax.schedule.reorder import anchors, layer_of_updates
 from oocjax.transforms import compat as jc
+from oocjax.transforms.compile import params_key
 from oocjax.transforms.flat import FlatProgram, dataflow
-from oocjax.transforms.segment import params_key
 
 # A path component numbered among its siblings: ``Block_3``, ``layer.3``, ``h/3`` (kind empty).
 _NUMBERED = re.compile(r"^(?P<kind>.*?)[_.\-]?(?P<index>\d+)$")

@@ -73,3 +73,8 @@ def _spans_processes(x: Any) -> bool:
 
 def _same_layout(x: jax.Array, target: jax.sharding.Sharding) -> bool:
     return x.sharding.with_memory_kind(target.memory_kind).is_equivalent_to(target, x.ndim)
+
+
+def on_device(values: Sequence[Any]) -> tuple[Any, ...]:
+    """``values`` placed in device memory."""
+    return tuple(jax.device_put(x, sharding("device")) for x in values)

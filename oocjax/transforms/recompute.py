@@ -12,7 +12,7 @@ again. Two things it cannot know live here:
   same key gives the same bits (this is also what ``jax.checkpoint`` relies on).
 * **The rewrite as equations** (``apply_rewrite``): per step of ``Rewrite.program``, the original
   equation it runs, on the rewrite's buffer ids. Copies are marked (``FlatEquation.recompute_of``),
-  so that ``transforms.segment`` can keep XLA from merging a copy with its original again.
+  so that ``transforms.functions`` can keep XLA from merging a copy with its original again.
 """
 
 from __future__ import annotations

@@ -143,3 +143,8 @@ def test_the_move_index_groups_each_move_once_by_buffer_and_by_step():
     assert schedule.offloads_by_after_step == {0: (offload,), 2: (returned,)}
     # Step 1 waits for the offload, step 2 for the prefetches it reads; nothing waits for `returned`.
     assert schedule.waits_by_step == {1: (offload,), 2: (late_fetch, early_fetch, fetch_w)}
+
+
+@given(programs())
+def test_a_programs_in_core_bytes_are_the_simulators_with_nothing_moved(program):
+    assert program.in_core_bytes == simulate(program, keep_all(program)).device_bytes

@@ -196,7 +196,7 @@ def test_the_bottom_layer_donating_its_input_runs_the_program_of_the_layers_abov
     compiled program where it fits the budget there, not two (planned with the published CPU
     rates, as every plan is)."""
     from oocjax import ooc_jit
-    from oocjax.transforms.segment import segment_key
+    from oocjax.transforms.compile import segment_key
 
     step, state, batch = decoder_case(way, DEPTH)
     budget = int(ooc_jit(step, budget=2**62).plan(state, batch).baseline_peak_bytes * 0.3)

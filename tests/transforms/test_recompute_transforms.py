@@ -16,8 +16,8 @@ from oocjax.schedule.rewrite import recompute_program
 from oocjax.schedule.segments import cut_segments
 from oocjax.transforms import analyse
 from oocjax.transforms.analyse import to_program
+from oocjax.transforms.functions import chain_function, segment_functions
 from oocjax.transforms.recompute import apply_rewrite, recomputable_steps, why_not_recomputable
-from oocjax.transforms.segment import chain_function, segment_functions
 from oocjax.transforms.trace import trace_step
 
 W1 = jnp.linspace(-1, 1, 64 * 32).reshape(64, 32)

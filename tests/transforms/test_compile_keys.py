@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from oocjax.transforms.segment import program_key
+from oocjax.transforms.compile import program_key
 
 
 def key_of(f, *args):
@@ -52,7 +52,7 @@ def test_segments_read_off_the_flat_program_share_programs_exactly_when_their_tr
     in-core: the transformer recomputes, moves and cuts alike layers alike; the CNN's ReLUs are
     ``custom_jvp`` calls, each with its own derivative rule (which no segment compiles)."""
     from oocjax import ooc_jit
-    from oocjax.transforms.segment import segment_key, segment_specs
+    from oocjax.transforms.compile import segment_key, segment_specs
     from tests.support import zoo
 
     case = getattr(zoo, case)()
