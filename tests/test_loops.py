@@ -13,8 +13,8 @@ import pytest
 
 from examples.models import Transformer, next_token_step
 from oocjax import BudgetInfeasibleError, ooc_jit, to_device, to_host
+from tests.support.reference import trains_like_jax_jit_within
 from tests.support.seams import REAL, with_seams
-from tests.test_ooc_jit_reference import FLOAT32_TOLERANCE, device_bytes_at_each_boundary, fresh
 
 
 def decoder_step():
@@ -41,26 +41,6 @@ def scanned_mlp_step(w, x):
 
 W = jnp.stack([jnp.eye(128) * 0.9 + 0.01 * i for i in range(8)])
 X = jnp.linspace(-1, 1, 512 * 128).reshape(512, 128)
-
-
-def trains_like_jax_jit_within(step, state, batch, fraction, donate=True):
-    budget = int(ooc_jit(step, budget=2**62).plan(state, batch).baseline_peak_bytes * fraction)
-    ooc = ooc_jit(step, budget=budget, donate_argnums=(0,) if donate else (), min_offload_bytes=4096)
-    plan = ooc.plan(state, batch)
-    assert plan.segments and plan.executed_peak_bytes <= budget
-    expected, actual = state, fresh(state)
-    for _ in range(3):
-        expected, expected_loss = jax.jit(step)(expected, batch)
-        (actual, loss), samples = device_bytes_at_each_boundary(ooc, actual, batch)
-        assert all(held + launch <= budget for held, launch in samples)
-        np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
-    # AdamW's first update divides by the root of tiny second moments, which turns last-bit
-    # differences of near-zero gradients into larger ones: 4.3e-5 on one kernel of the decoder,
-    # whose gradients match jax.jit's within 4.8e-7 (measured on this CPU).
-    tolerance = FLOAT32_TOLERANCE | dict(atol=1e-4)
-    for a, e in zip(jax.tree.leaves(to_device(actual)), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), **tolerance)
-    return plan
 
 
 def test_a_scan_over_layers_is_planned_one_iteration_at_a_time_and_says_so():

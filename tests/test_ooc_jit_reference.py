@@ -12,16 +12,8 @@ import pytest
 
 import oocjax
 from oocjax import ooc_jit
-from oocjax.transforms.execute import observe_segments
 from tests.support import zoo
-
-# Segments are compiled separately, so XLA fuses within each one only, which may reassociate float32
-# arithmetic. Adam divides by the root of tiny second moments, which turns those last-bit
-# differences into larger ones on parameters with near-zero gradients: after three AdamW steps the
-# transformer's largest difference on this machine was 7.3e-6 absolute, on one element of 4096
-# (the single-program rewrite this replaced stayed within 1e-6). Integer and key leaves, and every
-# bfloat16 leaf in the zoo, must come out bitwise equal.
-FLOAT32_TOLERANCE = dict(atol=2e-5, rtol=1e-5)
+from tests.support.reference import FLOAT32_TOLERANCE, device_bytes_at_each_boundary, fresh
 
 
 def assert_matches(actual, expected, exact: bool) -> None:
@@ -31,11 +23,6 @@ def assert_matches(actual, expected, exact: bool) -> None:
     np.testing.assert_allclose(
         np.asarray(actual), np.asarray(expected), **(FLOAT32_TOLERANCE if loose else dict(rtol=0, atol=0))
     )
-
-
-def fresh(state):
-    """A copy the step may donate without touching the shared test state."""
-    return jax.tree.map(lambda x: x.copy(), state)
 
 
 @functools.cache
@@ -52,24 +39,6 @@ def reference_run(name: str) -> list:
         state, metrics = jax.jit(case.step)(state, batch)
         results.append((state, metrics))
     return results
-
-
-def device_bytes_at_each_boundary(step, state, batch) -> tuple[list, list[tuple[int, int]]]:
-    """Runs the step; at each segment boundary, the device bytes of live arrays other than the
-    caller's own (arrays that existed before, except the arguments the step uses as they are),
-    and the segment's compiled launch bytes (outputs and scratch, less what reuses donated memory)."""
-    kinds = step.plan(state, batch).input_kinds
-    arguments = {id(x) for x, kind in zip(jax.tree.leaves((state, batch)), kinds) if x.sharding.memory_kind == kind}
-    callers = {id(x) for x in jax.live_arrays()} - arguments
-    samples = []
-
-    def sample(launch):
-        live = {id(x): x for x in jax.live_arrays() if x.sharding.memory_kind == "device" and id(x) not in callers}
-        samples.append((sum(x.nbytes for x in live.values()), launch.cost.launch_bytes))
-
-    with observe_segments(sample):
-        result = step(state, batch)
-    return result, samples
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.6, 0.35], ids=["100%", "60%", "35%"])

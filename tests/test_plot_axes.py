@@ -4,8 +4,8 @@ import pytest
 
 from oocjax.plan import Plan
 from oocjax.schedule import keep_all, plan_window, simulate
+from tests.support.plans import wide_plan
 from tests.support.programs import MiB, mlp_chain
-from tests.test_views import wide_plan
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")

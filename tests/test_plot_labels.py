@@ -5,7 +5,7 @@ import pytest
 
 from oocjax.plan import Plan
 from oocjax.plotting import Span, StepRegions, plan_regions, step_regions
-from tests.test_views import transformer_plan, wide_plan
+from tests.support.plans import transformer_plan, wide_plan
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")

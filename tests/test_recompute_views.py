@@ -13,8 +13,8 @@ from oocjax import ooc_jit
 from oocjax.plan import Plan
 from oocjax.render import svg_timeline
 from oocjax.schedule import format_bytes
+from tests.support.plans import WIDE_PARAMS, WIDE_X, wide_mlp_step
 from tests.support.zoo import transformer_dropout_adamw
-from tests.test_views import WIDE_PARAMS, WIDE_X, wide_mlp_step
 
 
 @functools.cache

@@ -9,7 +9,7 @@ import pytest
 
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_device, to_host
-from tests.test_loops import trains_like_jax_jit_within
+from tests.support.reference import trains_like_jax_jit_within
 
 
 def adamw_step(remat=True):

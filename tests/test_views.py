@@ -1,7 +1,6 @@
 """Plans explain themselves: repr, summary, HTML with an SVG timeline, plots, JSON, the notebook."""
 
 import dataclasses
-import functools
 import json
 import re
 import subprocess
@@ -16,8 +15,8 @@ from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax.plan import Plan
 from oocjax.schedule import keep_all, plan_window, simulate
 from oocjax.timeline_svg import svg_timeline
+from tests.support.plans import WIDE_PARAMS, WIDE_X, transformer_plan, wide_mlp_step, wide_plan
 from tests.support.programs import MiB, mlp_chain
-from tests.support.zoo import transformer_dropout_adamw
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -260,43 +259,6 @@ def test_the_notebook_executes_end_to_end_with_its_figures_inline():
 
 
 # -- views of a real ooc_jit plan -------------------------------------------------------------------
-
-
-def wide_mlp_step(params, x):
-    """40 parameter arrays (20 layers of weight and bias), and its gradient step."""
-
-    def loss(params):
-        h = x
-        for w, b in params:
-            h = jnp.tanh(h @ w + b)
-        return (h**2).mean()
-
-    value, grads = jax.value_and_grad(loss)(params)
-    return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), value
-
-
-WIDE_PARAMS = [(jnp.eye(64) * 0.5, jnp.zeros(64)) for _ in range(20)]
-WIDE_X = jnp.ones((512, 64))
-
-
-@functools.cache
-def wide_plan(fraction: float = 0.4) -> Plan:
-    """The wide MLP's swap-only plan (these views are about transfers; tests/test_recompute_views.py
-    shows recomputation)."""
-    in_core = ooc_jit(wide_mlp_step, budget=2**62).plan(WIDE_PARAMS, WIDE_X).baseline_peak_bytes
-    step = ooc_jit(wide_mlp_step, budget=int(in_core * fraction), min_offload_bytes=1024, recompute="off")
-    return step.plan(WIDE_PARAMS, WIDE_X)
-
-
-@functools.cache
-def transformer_plan(recompute: str = "off") -> Plan:
-    """The zoo's Flax transformer (4 blocks, AdamW, donated state) at 35% of its in-core estimate:
-    "off" moves values, "always" recomputes them."""
-    case = transformer_dropout_adamw()
-    in_core = ooc_jit(case.step, budget=2**62, donate_argnums=(0,)).plan(case.state, case.batches[0])
-    budget = int(in_core.baseline_peak_bytes * 0.35)
-    step = ooc_jit(case.step, budget=budget, donate_argnums=(0,), min_offload_bytes=4096, recompute=recompute)
-    return step.plan(case.state, case.batches[0])
 
 
 def test_the_pretty_view_of_a_step_with_40_parameter_arrays_shows_a_transfer_within_six_lines():

@@ -34,8 +34,7 @@ from oocjax.schedule import (
 from oocjax.schedule.chain import check_segments
 from oocjax.schedule.segments import Segment, cut_segments
 from oocjax.schedule.synthetic import layered_training_step
-from tests.schedule.test_window_properties import an_offloaded_output_of_a_host_input
-from tests.support.programs import MiB, programs
+from tests.support.programs import MiB, an_offloaded_output_of_a_host_input, programs
 
 W, A, B, C, D = range(5)
 

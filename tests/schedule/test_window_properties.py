@@ -23,7 +23,7 @@ from oocjax.schedule import (
 )
 from oocjax.schedule.range_max import RangeMax
 from oocjax.schedule.synthetic import layered_training_step
-from tests.support.programs import MiB, programs
+from tests.support.programs import MiB, an_offloaded_output_of_a_host_input, programs
 
 
 def in_core_peak(program) -> int:
@@ -32,16 +32,6 @@ def in_core_peak(program) -> int:
 
 def smallest_feasible(program) -> int:
     return max(required_bytes(program), default=0)
-
-
-def an_offloaded_output_of_a_host_input() -> Program:
-    """y replaces the donated input x, which lives on host at a 1 MiB budget. y is made at step 0,
-    offloaded while nine empty steps and a small one run, and fetched back for use_y; the window
-    then reaches y's return, so the pass would return it on the device, where x does not live."""
-    ops = [("make_y", [], ["y"])] + [(f"pad{i}", [], [f"p{i}"]) for i in range(9)]
-    ops += [("small", [], ["s"]), ("use_y", ["y"], ["z"])]
-    sizes = {"x": MiB, "y": MiB, **{f"p{i}": 0 for i in range(9)}, "s": 4096, "z": 0}
-    return Program.from_ops(ops, sizes, inputs=["x"], donated=["x"], outputs=["y"], aliases={"y": "x"})
 
 
 @given(programs(), st.floats(0.0, 1.0))

@@ -69,3 +69,13 @@ def programs(draw) -> Program:
         if donated and specs[b]["kind"] == "computed" and draw(st.booleans()):
             specs[b]["aliased_input"] = donated.pop()
     return Program(steps=tuple(steps), buffers=tuple(Buffer(**spec) for spec in specs))
+
+
+def an_offloaded_output_of_a_host_input() -> Program:
+    """y replaces the donated input x, which lives on host at a 1 MiB budget. y is made at step 0,
+    offloaded while nine empty steps and a small one run, and fetched back for use_y; the window
+    then reaches y's return, so the pass would return it on the device, where x does not live."""
+    ops = [("make_y", [], ["y"])] + [(f"pad{i}", [], [f"p{i}"]) for i in range(9)]
+    ops += [("small", [], ["s"]), ("use_y", ["y"], ["z"])]
+    sizes = {"x": MiB, "y": MiB, **{f"p{i}": 0 for i in range(9)}, "s": 4096, "z": 0}
+    return Program.from_ops(ops, sizes, inputs=["x"], donated=["x"], outputs=["y"], aliases={"y": "x"})
