@@ -225,10 +225,12 @@ def ooc_row(step_fn, initial, batch, budget: int, options: dict, config: dict, p
     from benchmarks.segment_profile import executor_costs
     from benchmarks.state_offload import copies_counted
     from oocjax import ooc_jit
+    from oocjax.testing import with_seams
 
     before = peak_bytes()
     started = time.perf_counter()
-    step = ooc_jit(step_fn, budget=budget, donate_argnums=(0,), **options)
+    moved, access = copies_counted()  # every copy the executor makes, counted from here
+    step = with_seams(ooc_jit(step_fn, budget=budget, donate_argnums=(0,), **options), device_access=access)
     state = _put(initial, "pinned_host")
     plan = step.plan(state, batch)
     row = dict(plan_key=plan_key, budget_bytes=budget, plan_s=time.perf_counter() - started, **plan_facts(plan))
@@ -236,10 +238,10 @@ def ooc_row(step_fn, initial, batch, budget: int, options: dict, config: dict, p
     with warnings_module.catch_warnings(record=True) as replanned:  # ooc_jit warns when it plans again
         warnings_module.simplefilter("always")
         state = _stepped(step, state, batch, config["loss_steps"], config["timed_steps"], row, before)
-        carried, counted = [state], max(config["timed_steps"], 1)
-        with copies_counted() as moved:
-            row |= executor_costs(step, carried, batch, counted)
-    row |= dict(copied_to_device_bytes=moved["device"] / counted, copied_back_bytes=moved["pinned_host"] / counted)
+        carried, counted, earlier = [state], max(config["timed_steps"], 1), dict(moved)
+        row |= executor_costs(step, carried, batch, counted)
+    copied = {kind: moved[kind] - earlier[kind] for kind in moved}  # the timed steps' copies alone
+    row |= dict(copied_to_device_bytes=copied["device"] / counted, copied_back_bytes=copied["pinned_host"] / counted)
     row["warnings"] = [str(w.message)[:400] for w in replanned][:5]
     final = step.plan(carried[0], batch)
     row["final_plan"] = repr(final) if repr(final) != row["plan"] else None  # planned again after measuring over

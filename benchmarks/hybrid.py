@@ -39,7 +39,8 @@ to ``pinned_host`` is a memory copy, and every segment of a plan is one more pro
 JSON records the machine's load average before and after: on a shared machine, read the ratios of
 rows measured together, not the absolute times.
 Exits nonzero (after writing the JSON) if an ``ooc_jit`` row's executed peak is over its budget,
-or the hybrid moves more bytes or simulates slower than swap-only at a budget.
+or the hybrid moves more bytes than swap-only at a budget, or simulates slower by more than
+``MOVE_MARGIN``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from benchmarks.rates import measure_profile
 from examples.models import Block, next_token_step
 from oocjax import ooc_jit
 from oocjax.schedule import keep_all, plan_hybrid, simulate, simulate_time
-from oocjax.testing import recomputable_steps, trace_step
+from oocjax.testing import MOVE_MARGIN, recomputable_steps, trace_step
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = dict(layers=4, width=128, heads=4, batch=8, seq=128, vocab=512)
@@ -305,7 +306,9 @@ def compare(rows: list[dict]) -> None:
 
 def checks(rows: list[dict]) -> list[str]:
     """What the benchmark promises, as failures: every ``ooc_jit`` row within its budget; at each
-    budget the hybrid moves no more bytes than swap-only and simulates no slower."""
+    budget the hybrid moves no more bytes than swap-only, and simulates no slower than it by more than
+    ``MOVE_MARGIN`` (the choice keeps the plan that moves fewer bytes unless the other is faster by
+    more than that)."""
     failures = []
     for r in rows:
         if r["budget_fraction"] is not None and not r["within_budget"]:
@@ -315,8 +318,8 @@ def checks(rows: list[dict]) -> list[str]:
         swap, hybrid = at["swap_only"], at["hybrid"]
         if hybrid["moved_bytes"] > swap["moved_bytes"]:
             failures.append(f"hybrid at {fraction:.0%} moves more bytes than swap-only")
-        if hybrid["simulated_s"]["measured"] > swap["simulated_s"]["measured"] * (1 + 1e-9):
-            failures.append(f"hybrid at {fraction:.0%} simulates slower than swap-only")
+        if hybrid["simulated_s"]["measured"] > swap["simulated_s"]["measured"] * (1 + MOVE_MARGIN):
+            failures.append(f"hybrid at {fraction:.0%} simulates slower than swap-only by more than {MOVE_MARGIN:.0%}")
     return failures
 
 

@@ -59,7 +59,7 @@ from benchmarks.rates import measure_profile
 from benchmarks.state_offload import BUDGETS_GIB, DRY_MODEL, MODEL, copies_counted
 from examples.models import Transformer, next_token_step
 from oocjax import ooc_jit, to_host
-from oocjax.testing import Launch, observe_segments
+from oocjax.testing import Launch, observe_segments, with_seams
 
 GIB = 2**30
 FLOOR_TARGETS = {4: 1.5, 14: 1.3}  # step time over max(transfer floor, compute floor)
@@ -114,7 +114,8 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
     started = time.perf_counter()
     state = jax.block_until_ready(to_host(make(key)))
     init_s = time.perf_counter() - started
-    step = ooc_jit(step_fn, budget=budget, donate_argnums=(0,))
+    moved, access = copies_counted()  # every copy the executor makes, counted from here
+    step = with_seams(ooc_jit(step_fn, budget=budget, donate_argnums=(0,)), device_access=access)
     row = dict(budget_bytes=budget, init_s=init_s, state_bytes=sum(x.nbytes for x in jax.tree.leaves(state)))
     row["peak_after_init_bytes"] = peak_bytes()
     row["peak_after_each_first_step_bytes"] = peaks = []
@@ -134,8 +135,10 @@ def ooc_run(model: dict, make, key, tokens, budget: int, loss_steps: int, timed_
         memory = _built(step).executor.memory
         launches.append((time.perf_counter(), at, memory.waits, memory.blocked_s))
 
-    with copies_counted() as moved, observe_segments(launched):
+    earlier = dict(moved)
+    with observe_segments(launched):
         state, more, _, timed = steps_run(step, state, tokens, 1, timed_steps)
+    moved = {kind: moved[kind] - earlier[kind] for kind in moved}  # these steps' copies alone
     last = max(i for i, (_, at, *_) in enumerate(launches) if at.segment == 0)
     row["last_step_launch_ms"] = [round((t - launches[last][0]) * 1e3, 3) for t, *_ in launches[last:]]
     # Per launch of the last step: the allocator's count, what the executor holds and has in flight,

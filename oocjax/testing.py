@@ -7,6 +7,7 @@ injected, an allocator read, the executor's waits switched off), never by replac
 
 from oocjax.api import OocJitted
 from oocjax.schedule.chain import CopyIn, CopyOut, Launch
+from oocjax.schedule.hybrid import MOVE_MARGIN
 from oocjax.schedule.layer_cuts import segment_signature
 from oocjax.schedule.moves import move_order
 from oocjax.schedule.synthetic import layered_training_step
@@ -21,6 +22,7 @@ from oocjax.transforms.recompute import apply_rewrite, recomputable_steps
 from oocjax.transforms.trace import TracedStep, trace_step
 
 __all__ = [
+    "MOVE_MARGIN",
     "CopyIn",
     "CopyOut",
     "DeviceAccess",
