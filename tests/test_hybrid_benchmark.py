@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from oocjax.testing import MOVE_MARGIN
+
 ROOT = Path(__file__).parent.parent
 
 
 @pytest.mark.slow
-def test_the_quick_hybrid_benchmark_has_every_row_and_the_hybrid_never_does_worse_than_swap_only(tmp_path):
+def test_the_quick_hybrid_benchmark_has_every_row_and_the_hybrid_is_within_the_margin_of_swap_only(tmp_path):
     from benchmarks import hybrid
 
     out = tmp_path / "hybrid-quick.json"
@@ -51,7 +53,10 @@ def test_the_quick_hybrid_benchmark_has_every_row_and_the_hybrid_never_does_wors
         swap, mixed = by[("swap_only", fraction)], by[("hybrid", fraction)]
         assert swap["recomputed_values"] == 0 and swap["extra_flops"] == 0
         assert mixed["moved_bytes"] <= swap["moved_bytes"]
-        assert mixed["simulated_s"]["measured"] <= swap["simulated_s"]["measured"] * (1 + 1e-9)
+        # The choice's own rule: the plan that moves fewer bytes, unless the other simulates faster by
+        # more than MOVE_MARGIN. It chose with the rates its first call measured, the benchmark
+        # simulates with rates it measured itself: on a loaded machine the two differ by a few percent.
+        assert mixed["simulated_s"]["measured"] <= swap["simulated_s"]["measured"] * (1 + MOVE_MARGIN)
         if mixed["recomputed_values"]:
             assert mixed["extra_flops"] == mixed["plan_extra_flops"] > 0
 

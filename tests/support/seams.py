@@ -20,4 +20,7 @@ def plans_made(caplog) -> int:
 
 
 def capture_stages(caplog) -> None:
+    """Records the ``oocjax`` logger's stages from here on (what an INFO level set outside the test,
+    such as ``--log-level``, captured before is dropped)."""
     caplog.set_level(logging.INFO, logger="oocjax")
+    caplog.clear()
