@@ -109,6 +109,8 @@ class Plan:
       recomputed: the values recomputed instead of kept or moved (``RecomputeInfo``); then
         ``program`` holds the copies of their producing equations.
       extra_flops: the work those copies add to the step.
+      postponed: the equations run where the backward pass first reads their results instead of
+        in the forward pass, which never reads them (a derivative made for the backward alone).
       recomputed_by_block: whether they are every layer's insides, its input kept (per-block remat,
         ``schedule.blocks``), rather than values chosen one class at a time.
       step_time_s, swap_only_time_s: the simulated step time of this plan and of the swap-only plan
@@ -147,6 +149,7 @@ class Plan:
     mesh: str = ""  # on several devices: "8 devices, mesh data=8" (every byte figure is per device)
     recomputed: tuple[RecomputeInfo, ...] = ()
     extra_flops: int = 0
+    postponed: int = 0
     recomputed_by_block: bool = False
     step_time_s: float | None = None
     swap_only_time_s: float | None = None
@@ -211,6 +214,7 @@ class Plan:
             baseline_timeline=baseline_timeline,
             recomputed=() if rewrite is None else _recomputed(program, rewrite),
             extra_flops=0 if rewrite is None else rewrite.extra_flops,
+            postponed=0 if rewrite is None else len(rewrite.postponed_steps),
             **measured,
         )
 

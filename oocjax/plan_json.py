@@ -38,6 +38,7 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
         "host_outputs": list(plan.host_outputs),
         "recomputed": [asdict(r) for r in plan.recomputed],
         "extra_flops": plan.extra_flops,
+        "postponed": plan.postponed,
         "step_time_s": plan.step_time_s,
         "swap_only_time_s": plan.swap_only_time_s,
         "swap_only_moved_bytes": plan.swap_only_moved_bytes,
@@ -98,6 +99,7 @@ def loads(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
     # The saved program holds the copies, but what they recompute came from the planner's rewrite,
     # and the in-core peak from the step as traced: neither is saved, so both are restored as saved.
     restored = dict(recomputed=tuple(data.get("recomputed", ())), extra_flops=data.get("extra_flops", 0))
+    restored["postponed"] = data.get("postponed", 0)
     if "baseline_peak_bytes" in data:
         restored["baseline_peak_bytes"] = data["baseline_peak_bytes"]
     return built, restored

@@ -97,6 +97,9 @@ def _summary_rows(plan: Plan) -> list[tuple[str, str]]:
                 f"in core ({_seconds(plan.in_core_time_s)}), with the rates it was planned with",
             )
         )
+    if plan.postponed:
+        where = "run where the backward pass first reads their results: the forward pass does not"
+        rows.append(("postponed", f"{counted(plan.postponed, 'equation')} {where}"))
     return rows + ([("loops", _loops(plan.loops))] if plan.loops else [])
 
 

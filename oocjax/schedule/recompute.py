@@ -391,11 +391,12 @@ def _chain(
 
 
 def _next_original(chosen: Rewrite, p: int) -> int:
-    """The first step at or after ``p`` of the rewritten program that is an original (copies are
-    placed just before one): the original step that a value dropped across ``p`` must skip."""
-    copied = chosen.copied_steps
-    i = bisect_left(copied, p)
-    while i < len(copied) and copied[i] == p:
+    """The first step at or after ``p`` of the rewritten program that is an original in its place
+    (copies and postponed steps are placed just before one): the original step that a value dropped
+    across ``p`` must skip."""
+    placed = sorted((*chosen.copied_steps, *chosen.postponed_steps))
+    i = bisect_left(placed, p)
+    while i < len(placed) and placed[i] == p:
         p, i = p + 1, i + 1
     return p
 

@@ -20,6 +20,12 @@ none yet. So each target is recomputed at most once, and only producers of targe
 (Targets that feed each other are therefore recomputed once and kept: recomputing a whole chain at
 its first late read holds it again from there.)
 
+**Postponed, not copied.** A step whose every value is a target that only postponed steps read
+early (a value made in the forward pass for the backward pass alone: the derivative of a GELU, a
+LayerNorm's centred input) has nothing to do in its place: it is not run there, but where its
+values are first needed, as the copy would be, writing its own buffers. Per-block remat does the
+same: the forward pass of a rematerialised block computes only what its output needs.
+
 Original buffers keep their ids and flags, and the original steps keep their order; copies are
 appended as ``computed`` buffers labelled "recompute of <label>". ``Rewrite.origin_step`` and
 ``origin_buffer`` say what each new step runs and what each new buffer holds, so the transforms
@@ -56,7 +62,9 @@ class Rewrite:
       origin_step: per new step, the original step it runs (originals and copies alike).
       origin_buffer: per new buffer, the original buffer whose value it holds.
       copied_steps: the new steps that are copies (ascending); every other step is an original.
-      recomputed: the original buffers that were dropped and recomputed (ascending).
+      postponed_steps: the new steps that are originals run where their values are first needed
+        rather than where they were traced (ascending): placed, like copies, just before a need.
+      recomputed: the original buffers that were dropped and recomputed, or postponed (ascending).
       skipped: targets (or candidates) left alone, with the reason.
       extra_flops: the copies' arithmetic work.
       peak_bytes_before, peak_bytes: device peak with nothing moved, before and after.
@@ -71,6 +79,7 @@ class Rewrite:
     extra_flops: int
     peak_bytes_before: int
     peak_bytes: int
+    postponed_steps: tuple[int, ...] = ()
 
     @property
     def saved_peak_bytes(self) -> int:
@@ -199,13 +208,17 @@ class _Rebuild:
         self.buffers: list[Buffer] = list(program.buffers)
         self.origin_buffer: list[int] = list(range(len(program.buffers)))
         self.copy_of: dict[int, int] = {}  # dropped target -> the fresh buffer that now holds it
+        self.postponed = _postponed(program, last_early)  # original steps run where first needed
+        self.postponed_values = {w for s in self.postponed for w in program.steps[s].writes}
+        self.postponed_steps: list[int] = []
         self.extra_flops = 0
 
     def run(self) -> Skipped | None:
         """Writes the program; or stops at the first target whose copy may not run where needed."""
-        last_early = self.last_early
         for k, step in enumerate(self.program.steps):
-            dropped = [r for r in step.reads if r in last_early and k > last_early[r]]
+            if k in self.postponed:
+                continue
+            dropped = [r for r in step.reads if self._dropped(r, k)]
             for r in dropped:
                 conflict = self._ensure(r, k)
                 if conflict is not None:
@@ -227,12 +240,14 @@ class _Rebuild:
             extra_flops=self.extra_flops,
             peak_bytes_before=max(self.program.in_core_bytes, default=0),
             peak_bytes=max(rewritten.in_core_bytes, default=0),
+            postponed_steps=tuple(self.postponed_steps),
         )
 
     def _dropped(self, b: int, k: int) -> bool:
-        """Whether the original of ``b`` is gone before step ``k`` (a target past its early life)."""
+        """Whether the original of ``b`` is gone before step ``k`` (a target past its early life),
+        or not yet made there (a postponed step's value)."""
         last = self.last_early.get(b)
-        return last is not None and k > last
+        return last is not None and (k > last or b in self.postponed_values)
 
     def _version(self, b: int, k: int) -> int:
         return self.copy_of[b] if self._dropped(b, k) else b
@@ -276,6 +291,11 @@ class _Rebuild:
 
     def _copy(self, s: int, k: int) -> None:
         step = self.program.steps[s]
+        if s in self.postponed:  # the original itself, run here: its own buffers
+            self.copy_of.update((w, w) for w in step.writes)
+            self.postponed_steps.append(len(self.steps))
+            self._emit(s, replace(step, reads=tuple(self._version(i, k) for i in step.reads)), copy=False)
+            return
         writes = []
         for w in step.writes:
             fresh = len(self.buffers)
@@ -294,6 +314,21 @@ class _Rebuild:
             self.copied_steps.append(len(self.steps))
         self.steps.append(step)
         self.origin_step.append(origin)
+
+
+def _postponed(program: Program, last_early: dict[int, int]) -> set[int]:
+    """The original steps with nothing to do where they were traced: every value they write is a
+    target whose early reads (up to its last early touch) are all by such steps. Decided from the
+    last step back, since a value's readers come after its producer."""
+    postponed: set[int] = set()
+    read_at = program.uses.read_at
+    for s in range(len(program.steps) - 1, -1, -1):
+        writes = program.steps[s].writes
+        if writes and all(
+            w in last_early and all(r in postponed for r in read_at[w] if r <= last_early[w]) for w in writes
+        ):
+            postponed.add(s)
+    return postponed
 
 
 def _alias_writers(program: Program) -> dict[int, int]:
@@ -328,8 +363,7 @@ def runs_after(rewrite: Rewrite, runs: Sequence[tuple[int, int, str]]) -> tuple[
     >>> r.origin_step, runs_after(r, [(0, 2, "first"), (2, 4, "second"), (4, 5, "last")])
     ((0, 1, 2, 3, 0, 4), ((0, 2, 'first'), (2, 4, 'second'), (4, 6, 'last')))
     """
-    copied = set(rewrite.copied_steps)
-    at = [i for i in range(len(rewrite.origin_step)) if i not in copied]  # original step -> new step
+    at = _original_at(rewrite)
     outside = _outside_every_run(rewrite, runs)
     found = []
     for a, y, kind in runs:
@@ -349,7 +383,7 @@ def hoisted(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Rewrite:
     it would run a program of its own, unlike its siblings. Moved, it is held a few steps longer.
 
     >>> p = Program.from_ops(
-    ...     [("f", ["x"], ["a"]), ("g", ["x"], ["b"]), ("h", ["b"], ["c"]), ("k", ["a", "c"], ["y"])],
+    ...     [("f", ["x"], ["a"]), ("g", ["x", "a"], ["b"]), ("h", ["b"], ["c"]), ("k", ["a", "c"], ["y"])],
     ...     {"x": 1, "a": 8, "b": 1, "c": 1, "y": 1}, inputs=["x"], outputs=["y"])
     >>> r = recompute_program(p, [1], recomputable=lambda step: True, across=2)  # a made again before k
     >>> r.origin_step, hoisted(r, [(2, 4)]).origin_step, runs_after(hoisted(r, [(2, 4)]), [(2, 4, "layer")])
@@ -358,6 +392,7 @@ def hoisted(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Rewrite:
     if not rewrite.copied_steps or not runs:
         return rewrite
     copied, outside = set(rewrite.copied_steps), _outside_every_run(rewrite, runs)
+    postponed = set(rewrite.postponed_steps)
     steps, defined_at = rewrite.program.steps, rewrite.program.uses.defined_at
     order: list[int] = []
     moved = False
@@ -380,8 +415,22 @@ def hoisted(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Rewrite:
         program=program,
         origin_step=tuple(rewrite.origin_step[k] for k in order),
         copied_steps=tuple(i for i, k in enumerate(order) if k in copied),
+        postponed_steps=tuple(i for i, k in enumerate(order) if k in postponed),
         peak_bytes=max(program.in_core_bytes, default=0),
     )
+
+
+def _original_at(rewrite: Rewrite) -> list[int]:
+    """Per original step, its step in the rewritten program; for a postponed one, the step of the
+    last original before it that stays in place (-1 for none): where it was traced."""
+    placed = set(rewrite.copied_steps) | set(rewrite.postponed_steps)
+    at = [-1] * (len(rewrite.origin_step) - len(rewrite.copied_steps))
+    for i, s in enumerate(rewrite.origin_step):
+        if i not in placed:
+            at[s] = i
+    for s in range(1, len(at)):
+        at[s] = max(at[s], at[s - 1])
+    return at
 
 
 def _outside_every_run(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Callable[[int], bool]:

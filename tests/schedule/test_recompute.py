@@ -45,14 +45,24 @@ def values(program: Program, origin_step=None, origin_buffer=None) -> list[int]:
 
 
 def check_rewrite(program: Program, rewrite: Rewrite, recomputable) -> None:
-    """What every rewrite must be: SSA (checked by ``Program``), the original steps in order with
-    copies of recomputable steps between them, original buffers unchanged, copies plain computed
-    values, and every buffer holding the value of its origin (so the outputs are the same)."""
+    """What every rewrite must be: SSA (checked by ``Program``), every original step once, in order
+    but for the recomputable ones postponed to a later place, with copies of recomputable steps
+    between them, original buffers unchanged, copies plain computed values, and every buffer
+    holding the value of its origin (so the outputs are the same)."""
     new = rewrite.program
     assert len(rewrite.origin_step) == len(new.steps) and len(rewrite.origin_buffer) == len(new.buffers)
-    copies = set(rewrite.copied_steps)
-    assert [s for i, s in enumerate(rewrite.origin_step) if i not in copies] == list(range(len(program.steps)))
-    assert all(recomputable(rewrite.origin_step[i]) for i in copies)
+    copies, postponed = set(rewrite.copied_steps), set(rewrite.postponed_steps)
+    originals = [s for i, s in enumerate(rewrite.origin_step) if i not in copies]
+    assert sorted(originals) == list(range(len(program.steps)))
+    in_place = [s for i, s in enumerate(rewrite.origin_step) if i not in copies | postponed]
+    assert in_place == sorted(in_place)
+    placed_before = set()
+    for i, s in enumerate(rewrite.origin_step):
+        if i in postponed:  # no earlier than traced: after every original in place traced before it
+            assert {t for t in in_place if t < s} <= placed_before
+        elif i not in copies:
+            placed_before.add(s)
+    assert all(recomputable(rewrite.origin_step[i]) for i in copies | postponed)
     assert new.buffers[: len(program.buffers)] == program.buffers
     assert rewrite.origin_buffer[: len(program.buffers)] == tuple(range(len(program.buffers)))
     for copy in new.buffers[len(program.buffers) :]:
@@ -111,7 +121,8 @@ def test_copies_of_work_outside_the_layers_run_before_the_layer_they_serve_and_c
 
 def test_a_copy_of_work_outside_the_layers_runs_before_the_layer_unless_it_reads_what_the_layer_makes():
     sizes = {"x": 1, "a": 8, "b": 1, "c": 8, "d": 1, "y": 1}
-    ops = [("f", ["x"], ["a"]), ("g", ["x"], ["b"]), ("h", ["b"], ["c"]), ("k", ["a", "c"], ["d"]), ("m", ["d"], ["y"])]
+    ops = [("f", ["x"], ["a"]), ("g", ["x", "a"], ["b"]), ("h", ["b"], ["c"]), ("k", ["a", "c"], ["d"]),
+           ("m", ["d"], ["y"])]  # fmt: skip
     program = Program.from_ops(ops, sizes, inputs=["x"], outputs=["y"])
     rewrite = recompute_program(program, [1], recomputable=lambda s: True, across=2)  # f copied before k
     layer = [(1, 4, "layer")]
@@ -121,7 +132,7 @@ def test_a_copy_of_work_outside_the_layers_runs_before_the_layer_unless_it_reads
     check_rewrite(program, moved, lambda s: True)
 
     # f reads c, made by the first layer and recomputed inside the second: f's copy must follow it.
-    ops = [("g", ["x"], ["b"]), ("h", ["b"], ["c"]), ("f", ["c"], ["a"]), ("k", ["x"], ["d"]),
+    ops = [("g", ["x"], ["b"]), ("h", ["b"], ["c"]), ("f", ["c"], ["a"]), ("k", ["x", "a"], ["d"]),
            ("m", ["d"], ["e"]), ("n", ["a", "e", "c"], ["y"])]  # fmt: skip
     program = Program.from_ops(ops, sizes | {"e": 1}, inputs=["x"], outputs=["y"])
     rewrite = recompute_program(program, [1, 3], recomputable=lambda s: True, across=4)  # a and c
@@ -143,8 +154,11 @@ def test_a_recomputed_value_is_dropped_across_its_gap(request):
     program, targets, recomputable, _ = request
     rewrite = recompute_program(program, targets, recomputable=recomputable)
     new = rewrite.program
-    position = [i for i in range(len(new.steps)) if i not in set(rewrite.copied_steps)]  # original k -> new index
+    copies, postponed = set(rewrite.copied_steps), set(rewrite.postponed_steps)
+    position = {rewrite.origin_step[i]: i for i in range(len(new.steps)) if i not in copies}  # original -> new
     for t in rewrite.recomputed:
+        if new.uses.defined_at[t] in postponed:
+            continue  # made where first needed: it has no early life to end
         touches = (program.uses.defined_at[t], *program.uses.read_at[t])
         gaps = [b - a for a, b in pairwise(touches)]
         i = gaps.index(max(gaps))
@@ -461,3 +475,16 @@ def test_a_class_that_alone_covers_the_excess_is_taken_rather_than_a_crawl_of_sm
     check_rewrite(program, rewrite, lambda s: True)
     assert [program.buffers[b].label for b in rewrite.recomputed] == ["b"]
     assert (rewrite.peak_bytes_before, rewrite.peak_bytes) == (36 * MiB, 24 * MiB)
+
+
+def test_a_value_the_forward_pass_never_reads_is_made_where_the_backward_needs_it_not_copied():
+    # d = f'(h) is made in the forward pass for the backward pass alone; g2 reads it late. It is
+    # made just before g2 (not held across the loss), once.
+    ops = [("f", ["x"], ["h"]), ("df", ["h"], ["d"]), ("g", ["h"], ["y"]), ("loss", ["y"], ["s"]),
+           ("g2", ["s", "d"], ["dx"])]  # fmt: skip
+    program = Program.from_ops(ops, dict.fromkeys(["x", "h", "d", "y", "s", "dx"], 8), inputs=["x"], outputs=["dx"])
+    d = 2
+    rewrite = recompute_program(program, [d], recomputable=lambda s: True, across=3)
+    check_rewrite(program, rewrite, lambda s: True)
+    assert rewrite.origin_step == (0, 2, 3, 1, 4) and rewrite.postponed_steps == (3,)
+    assert rewrite.copied_steps == () and rewrite.extra_flops == 0 and rewrite.recomputed == (d,)

@@ -205,7 +205,7 @@ def test_the_bottom_layer_donating_its_input_runs_the_program_of_the_layers_abov
 
     (planner,) = wrapped._planners.values()
     flat, segments, programs = planner.built.flat, plan.segments, planner.built.programs
-    forward = [a for a, _, kind in layer_runs(planner.traced.flat) if " " not in kind]
+    forward = [a for a, _, kind in plan.layers if " " not in kind]
     layers = [k for k, s in enumerate(segments) if s.start in forward]
     assert len(layers) == DEPTH and len({segment_key(flat, segments[k]) for k in layers}) == 1
     bottom, above = layers[0], layers[1:]
