@@ -46,6 +46,7 @@ STATE_CASES = (  # (name, scan, dtype, budget GiB, targets)
     ("scan f32 at 4 GiB", True, None, 4, dict(to_device=1.5, back=1.5)),
 )
 ACTIVATION_BUDGET = int(7.72 * GIB)
+ROUNDING = 1e-9  # relative: two simulated times this close are the same sum of step times
 STATE_GIB = 15.0  # the 1.34B GPT's state: the dry run keeps the budgets' shares of it
 
 
@@ -118,9 +119,9 @@ def activation_rows(model: dict, budget_bytes: int | None, **options) -> list[di
             layer_policy=[line.strip() for line in plan.summary().splitlines() if line.startswith("  layer")],
             plan_seconds=time.perf_counter() - started,
         )
-        row["met"] = dict(
-            faster_than_remat=plan.step_time_s <= twin_plan.in_core_time_s, segments=row["segments_per_layer"] <= 3
-        )
+        # At most: equal counts (the same steps' times summed in another order differ in the last bits).
+        at_most = plan.step_time_s <= twin_plan.in_core_time_s * (1 + ROUNDING)
+        row["met"] = dict(faster_than_remat=at_most, segments=row["segments_per_layer"] <= 3)
         rows.append(row)
         print(
             f"activation-bound GPT {name} ({budget / GIB:.2f} GiB): step {plan.step_time_s * 1e3:.1f} ms against "
