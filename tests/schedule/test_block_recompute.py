@@ -130,3 +130,17 @@ def test_layers_alike_recompute_alike_values():
     for alike in zip(*below_the_top, strict=True):  # the top layer's last values are read at once: kept
         assert len({b in recomputed for b in alike}) == 1
     assert choice.schedule.moves_nothing
+
+
+def test_a_plan_alike_in_alike_layers_replaces_a_faster_unlike_one_that_moves_no_less():
+    # At 30% of its in-core estimate the 4-layer transformer's per-value picks move nothing and
+    # simulate 5% faster than the half-block plan, but unlike in its layers: 20 programs, and
+    # compiled segments over the budget (planned twice). The half-block plan runs its layers alike.
+    four = transformer_dropout_adamw(4)
+    budget = int(0.3 * ooc_jit(four.step, budget=2**62).plan(four.state, four.batches[0]).baseline_peak_bytes)
+    step = ooc_jit(four.step, budget=budget, donate_argnums=0, min_offload_bytes=4096)
+    plan = step.plan(four.state, four.batches[0])
+    (planner,) = step._planners.values()
+    assert plan.recomputed_by_block and len(plan.attempts) == 1
+    assert len(plan.segments) <= 3 * 4 and len({id(p) for p in planner.built.programs}) <= 6
+    assert plan.executed_peak_bytes <= budget
