@@ -394,11 +394,14 @@ def _next_original(chosen: Rewrite, p: int) -> int:
     """The first step at or after ``p`` of the rewritten program that is an original in its place
     (copies and postponed steps are placed just before one): the original step that a value dropped
     across ``p`` must skip."""
-    placed = sorted((*chosen.copied_steps, *chosen.postponed_steps))
-    i = bisect_left(placed, p)
-    while i < len(placed) and placed[i] == p:
-        p, i = p + 1, i + 1
+    while _holds(chosen.copied_steps, p) or _holds(chosen.postponed_steps, p):
+        p += 1
     return p
+
+
+def _holds(ascending: tuple[int, ...], k: int) -> bool:
+    i = bisect_left(ascending, k)
+    return i < len(ascending) and ascending[i] == k
 
 
 def _class_key(program: Program, step: Step, b: int) -> ClassKey:
