@@ -140,7 +140,7 @@ def plan_facts(plan) -> dict:
         segments=len(plan.segments),
         moved_bytes=plan.moved_bytes,
         recomputed=len(plan.recomputed),
-        recomputed_by_block=plan.recomputed_by_block,
+        layer_policy=list(plan.layer_policy),
         equations=len(plan.program.steps),
     )
 

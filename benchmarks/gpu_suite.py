@@ -212,7 +212,7 @@ def plan_facts(plan) -> dict:
         planned_back_bytes=plan.timeline.d2h_bytes,
         host_kept_bytes=sum(h.nbytes for h in plan.host_inputs),
         recomputed=len(plan.recomputed),
-        recomputed_by_block=plan.recomputed_by_block,
+        layer_policy=list(plan.layer_policy),
         simulated_step_s=plan.step_time_s,  # with this device's measured rates
         simulated_in_core_s=plan.in_core_time_s,
         attempts=list(plan.attempts),
@@ -449,7 +449,7 @@ def h200_plan(spec: dict, dry_run: bool) -> dict:
         plan_s=time.perf_counter() - started,
         **{k: facts[k] for k in ("plan", "segments", "planned_peak_bytes", "in_core_estimate_bytes", "moved_bytes")},
         **{k: facts[k] for k in ("planned_to_device_bytes", "planned_back_bytes", "host_kept_bytes", "recomputed")},
-        recomputed_by_block=facts["recomputed_by_block"],
+        layer_policy=facts["layer_policy"],
     )
 
 

@@ -263,7 +263,7 @@ def plan_row(step, work, in_core: Plan, mode: str, profile: DeviceProfile, *, mi
         in_core_simulated_s=plan.in_core_time_s,
         recomputed_values=len(plan.recomputed),
         recomputed_bytes=sum(r.nbytes for r in plan.recomputed),
-        recomputed_by_block=plan.recomputed_by_block,
+        layer_policy=list(plan.layer_policy),
         copied_equations=len(plan.program.steps) - len(in_core.program.steps),
         extra_flops=plan.extra_flops,
         extra_flops_pct=100 * plan.extra_flops / flops,

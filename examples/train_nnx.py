@@ -77,7 +77,7 @@ def main() -> None:
     if args.json:
         figures = dict(in_core_estimate_bytes=in_core, budget_bytes=budget, planned_peak_bytes=plan.peak_bytes)
         figures |= dict(executed_peak_bytes=plan.executed_peak_bytes, offloads=len(plan.offloads), losses=losses)
-        figures |= dict(recomputed=len(plan.recomputed), recomputed_by_block=plan.recomputed_by_block)
+        figures |= dict(recomputed=len(plan.recomputed), layer_policy=list(plan.layer_policy))
         args.json.write_text(json.dumps(figures, indent=1) + "\n")
     if not losses[-1] < 0.5 * losses[0]:
         raise SystemExit("the loss did not fall")

@@ -42,6 +42,7 @@ from oocjax.schedule import (
     format_bytes,
     keep_all,
     plan_hybrid,
+    replan_layers,
     replay,
     required_bytes,
     runs_after,
@@ -191,7 +192,9 @@ class StepPlanner:
         )
         attempts: list[Attempt] = []
         while True:
-            program, schedule, timeline, cut = self._cut(program, schedule, timeline, cut, rewritten, budget, timings)
+            choice, program, schedule, timeline, cut = self._cut(
+                choice, program, schedule, timeline, cut, rewritten, budget, timings
+            )
             segments = cut_segments(program, schedule, cut)
             chain = chain_of(program, schedule, segments, rewritten.flat.result_buffers)
             refuse_invalid("chain of segments", self.seams.check_chain(program, chain))
@@ -208,24 +211,37 @@ class StepPlanner:
             if len(attempts) > MAX_REPLANS:
                 smallest = max(required_bytes(program, options.min_offload_bytes))
                 raise OocError(over_budget_message(budget.planned_bytes, history, smallest) + worst_text)
-            # Some compiled segments came out larger than estimated (XLA's scratch, padding): plan
-            # again with that excess as scratch of their steps, so that less is held around them,
-            # and cut the worst in two. Where no plan holds that much scratch on every step of a
-            # long segment (its excess may be what merging its steps cost), the cut alone is tried.
-            middle = (segments[worst].start + segments[worst].stop) // 2
-            cut = dataclasses.replace(cut, cut_before=cut.cut_before | {middle})
-            try:
-                learnt = with_measured_scratch(program, segments, costs, budget.planned_bytes)
-                schedule = self._plan(learnt, budget, layers, history, worst_text)
-                program, timeline = learnt, self._replayed(learnt, schedule)
-            except OocError:
-                if segments[worst].stop - segments[worst].start <= 1:
-                    raise
+            choice, program, schedule, timeline, cut = self._learnt(
+                choice, attempts[-1], cut, budget, history, worst_text
+            )
             timings.done(f"re-plan {len(attempts)}: measured {format_bytes(peak)}")
         settled = Attempt.settled(choice, attempts, layers, profile)
         return self._finish(budget, settled, rewritten, programs, functions, timings), settled
 
-    def _cut(self, program, schedule, timeline, cut: CutOptions, rewritten: Rewritten, budget: Budget, timings):
+    def _learnt(self, choice: HybridPlan, attempt: Attempt, cut: CutOptions, budget: Budget, history, worst: str):
+        """After an attempt's compiled segments came out larger than estimated (XLA's scratch,
+        padding): the step planned again with that excess as scratch of their steps, so that less
+        is held around them, and the worst cut in two (a plan by layer cuts its layers alike itself).
+        Where no plan holds that much scratch on every step of a long segment (its excess may be
+        what merging its steps cost), the cut alone is tried. The choice, plan and cut to try next."""
+        program, schedule, timeline, segment = (
+            attempt.program,
+            attempt.schedule,
+            attempt.timeline,
+            attempt.segments[attempt.worst],
+        )
+        middle = {(segment.start + segment.stop) // 2}
+        try:
+            learnt = with_measured_scratch(program, attempt.segments, attempt.costs, budget.planned_bytes)
+            schedule, choice = self._plan(learnt, budget, choice, history, worst)
+            program, timeline = learnt, self._replayed(learnt, schedule)
+            middle = middle if choice.layer_plan is None else set()
+        except OocError:
+            if segment.stop - segment.start <= 1:
+                raise
+        return choice, program, schedule, timeline, dataclasses.replace(cut, cut_before=cut.cut_before | middle)
+
+    def _cut(self, choice, program, schedule, timeline, cut: CutOptions, rewritten: Rewritten, budget: Budget, timings):
         """Before the plan is cut: the ranges the estimate cuts but that might fit whole
         (``unfitted_ranges``) are compiled whole and measured (``cut.measured`` keeps what they
         allocate). Where one measured over the budget only with what the plan holds when it
@@ -247,11 +263,11 @@ class StepPlanner:
             if not replan or learnt is None:
                 break
             try:
-                schedule = self._plan(learnt, budget, cut.layers, [], "")
+                schedule, choice = self._plan(learnt, budget, choice, [], "")
                 program, timeline = learnt, self._replayed(learnt, schedule)
             except OocError:
                 break
-        return program, schedule, timeline, cut
+        return choice, program, schedule, timeline, cut
 
     def _compiled(self, rewritten: Rewritten, segments, program: Program, budget: Budget | None, timings, what=""):
         """Per segment its function, its program compiled (into ``self.compiled``, sharing where
@@ -283,10 +299,6 @@ class StepPlanner:
         """The first plan of a budget: swap only, or recompute and swap (``schedule.plan_hybrid``),
         timed with ``profile``'s rates (the device kind's published ones, or the profile planned
         for). Swap-only plans are timed too: the plan says how fast either would run."""
-        backward = [a for a, _, kind in runs if kind.startswith("transpose")]
-        blocks = tuple(
-            (a, y) for a, y, kind in runs if backward and not kind.startswith("transpose") and y <= backward[0]
-        )
         try:
             return plan_hybrid(
                 self.program,
@@ -295,19 +307,20 @@ class StepPlanner:
                 profile=profile,
                 recompute=self.options.recompute,
                 planner=self.seams.plan_window,
-                blocks=blocks,
-                backward_start=backward[0] if backward else 0,
-                layers=tuple((a, y) for a, y, _ in runs),
+                runs=tuple(runs),
                 **self.options.window,
             )
         except BudgetInfeasibleError as error:
             refuse_infeasible(self.program, error, budget, self.options)
 
-    def _plan(self, program: Program, budget: Budget, layers, history: list, worst: str) -> Schedule:
-        """A plan made again after the compiled segments measured over the budget."""
+    def _plan(self, program: Program, budget: Budget, choice: HybridPlan, history: list, worst: str):
+        """A plan made again after compiled segments measured over the budget, and the choice it
+        keeps: by layer where ``choice`` planned by layer (``schedule.replan_layers``)."""
         try:
-            runs = [(a, y) for a, y, _ in layers]
-            return self.seams.plan_window(program, budget.planned_bytes, **self.options.window, layers=runs)
+            if choice.layer_plan is None:
+                return self.seams.plan_window(program, budget.planned_bytes, **self.options.window), choice
+            layered = replan_layers(program, choice.layer_plan, budget.planned_bytes, **self.options.window)
+            return layered.schedule, dataclasses.replace(choice, layer_plan=layered)
         except BudgetInfeasibleError as error:  # with what the compiled segments measured, the budget is too small
             message = over_budget_message(budget.planned_bytes, history, error.required_bytes) + worst
             raise error.with_message(message) from error

@@ -111,8 +111,11 @@ class Plan:
       extra_flops: the work those copies add to the step.
       postponed: the equations run where the backward pass first reads their results instead of
         in the forward pass, which never reads them (a derivative made for the backward alone).
-      recomputed_by_block: whether they are every layer's insides, its input kept (per-block remat,
-        ``schedule.blocks``), rather than values chosen one class at a time.
+      origin_step: where ``program`` recomputes, per step the step of ``source_jaxpr`` it runs (a copy,
+        or an original run where its results are first read); empty where it is the traced step.
+      layer_policy: where the step was planned by layer (``schedule.layer_plan``), its policy, one
+        line per kind of layer; empty where it was planned one operation at a time.
+      layer_alternatives: the other layer policies timed, one line each with why it was not taken.
       step_time_s, swap_only_time_s: the simulated step time of this plan and of the swap-only plan
         it was chosen against (on the device profile it was planned with; None where not compared).
       swap_only_moved_bytes: what that swap-only plan's copies move, both ways together.
@@ -150,7 +153,9 @@ class Plan:
     recomputed: tuple[RecomputeInfo, ...] = ()
     extra_flops: int = 0
     postponed: int = 0
-    recomputed_by_block: bool = False
+    origin_step: tuple[int, ...] = ()
+    layer_policy: tuple[str, ...] = ()
+    layer_alternatives: tuple[str, ...] = ()
     step_time_s: float | None = None
     swap_only_time_s: float | None = None
     swap_only_moved_bytes: int | None = None
@@ -215,6 +220,7 @@ class Plan:
             recomputed=() if rewrite is None else _recomputed(program, rewrite),
             extra_flops=0 if rewrite is None else rewrite.extra_flops,
             postponed=0 if rewrite is None else len(rewrite.postponed_steps),
+            origin_step=() if rewrite is None else rewrite.origin_step,
             **measured,
         )
 
@@ -226,8 +232,8 @@ class Plan:
     def __repr__(self) -> str:
         executed = "" if self.executed_peak_bytes is None else f", executed {format_bytes(self.executed_peak_bytes)}"
         on_host = f", {counted(len(self.host_inputs), 'argument')} kept on host" if self.host_inputs else ""
-        by_block = " by block" if self.recomputed_by_block else ""
-        recomputed = f", {counted(len(self.recomputed), 'value')} recomputed{by_block}" if self.recomputed else ""
+        by_layer = " by layer" if self.layer_policy else ""
+        recomputed = f", {counted(len(self.recomputed), 'value')} recomputed{by_layer}" if self.recomputed else ""
         mesh = f", per device on {self.mesh}" if self.mesh else ""
         return (
             f"Plan(peak={format_bytes(self.peak_bytes)} / budget {format_bytes(self.budget_bytes)}{executed}, "

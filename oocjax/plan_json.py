@@ -43,7 +43,8 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
         "swap_only_time_s": plan.swap_only_time_s,
         "swap_only_moved_bytes": plan.swap_only_moved_bytes,
         "in_core_time_s": plan.in_core_time_s,
-        "recomputed_by_block": plan.recomputed_by_block,
+        "layer_policy": list(plan.layer_policy),
+        "layer_alternatives": list(plan.layer_alternatives),
     }
     if full:
         saved |= {
@@ -54,6 +55,7 @@ def dumps(plan: Plan, *, full: bool = False) -> str:
             "input_kinds": list(plan.input_kinds),
             "headroom_bytes": plan.headroom_bytes,
             "layers": [list(run) for run in plan.layers],
+            "origin_step": list(plan.origin_step),
         }
     return json.dumps(saved, indent=1)
 
@@ -89,7 +91,8 @@ def loads(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
         swap_only_time_s=data.get("swap_only_time_s"),
         swap_only_moved_bytes=data.get("swap_only_moved_bytes"),
         in_core_time_s=data.get("in_core_time_s"),
-        recomputed_by_block=data.get("recomputed_by_block", False),
+        layer_policy=tuple(data.get("layer_policy", ())),
+        layer_alternatives=tuple(data.get("layer_alternatives", ())),
         segments=segments,
         segment_costs=tuple(SegmentCost(**cost) for cost in data.get("segment_costs", ())),
         input_kinds=tuple(data.get("input_kinds", ())),
@@ -99,7 +102,7 @@ def loads(text: str) -> tuple[dict[str, Any], dict[str, Any]]:
     # The saved program holds the copies, but what they recompute came from the planner's rewrite,
     # and the in-core peak from the step as traced: neither is saved, so both are restored as saved.
     restored = dict(recomputed=tuple(data.get("recomputed", ())), extra_flops=data.get("extra_flops", 0))
-    restored["postponed"] = data.get("postponed", 0)
+    restored |= dict(postponed=data.get("postponed", 0), origin_step=tuple(data.get("origin_step", ())))
     if "baseline_peak_bytes" in data:
         restored["baseline_peak_bytes"] = data["baseline_peak_bytes"]
     return built, restored

@@ -166,14 +166,8 @@ def _name_stacks(plan: Plan) -> list[str] | None:
         stacks = occurrences.get(id(fe.eqn)) or [str(fe.eqn.source_info.name_stack)]
         k = seen[id(fe.eqn)] = seen.get(id(fe.eqn), -1) + 1
         traced.append(stacks[k % len(stacks)])  # an unrolled scan emits its body once per iteration
-    # A recomputing copy runs right before the reads it serves: it takes the stack of the next original.
-    stacks: list[str | None] = [None] * len(plan.timeline.device_bytes)
-    for k, at in enumerate(in_core_steps(plan)):
-        stacks[at] = traced[k]
-    following = ""
-    for i in reversed(range(len(stacks))):
-        following = stacks[i] = following if stacks[i] is None else stacks[i]
-    return stacks
+    # A recomputing copy, or an equation run where its results are first read, keeps its own stack.
+    return [traced[k] for k in plan.origin_step] if plan.origin_step else traced
 
 
 # -- the figure ------------------------------------------------------------------------------------

@@ -8,12 +8,11 @@ flag, and only for a step that has a softmax the flag would change.
 from __future__ import annotations
 
 import html
-from collections import Counter
 from typing import TYPE_CHECKING
 
 from oocjax.schedule import format_bytes
 from oocjax.schedule.cost import simulate_time
-from oocjax.schedule.hybrid import MOVE_MARGIN
+from oocjax.schedule.layer_plan import MOVE_MARGIN
 from oocjax.schedule.profiles import DeviceProfile, resolve_profile
 from oocjax.schedule.units import counted
 from oocjax.timeline_svg import svg_timeline
@@ -147,15 +146,15 @@ def _recomputed_section(plan: Plan, largest: int) -> list[str]:
 
 def _why_not_swap_only(plan: Plan) -> list[str]:
     """Where swap only simulated faster while moving more, why this plan was taken: under
-    ``recompute="auto"`` one moving much more replaces it only when faster by over ``MOVE_MARGIN``."""
+    ``recompute="auto"`` one moving more replaces it only when faster by over ``MOVE_MARGIN``."""
     swap_bytes, moved = plan.swap_only_moved_bytes, plan.schedule.moved_bytes(plan.program)
     if plan.swap_only_time_s >= plan.step_time_s or swap_bytes is None or swap_bytes <= moved:
         return []
     return [
         f"  chosen        over swap only, which moves {format_bytes(swap_bytes)} a step to this plan's "
         f"{format_bytes(moved)}: under recompute='auto'",
-        f"                a plan that moves much more is taken only where it simulates faster by more than "
-        f"{MOVE_MARGIN:.0%} (the model errs by more, and fewer copies keep the layers alike)",
+        f"                a plan that moves more is taken only where it simulates faster by more than "
+        f"{MOVE_MARGIN:.0%} (the model errs by more)",
     ]
 
 
@@ -233,68 +232,15 @@ def _timed_simulation(plan: Plan, model: DeviceProfile) -> list[str]:
 
 
 def _layer_policies(plan: Plan) -> list[str]:
-    """One line per kind of layer: what its backward reads of its forward (recomputed, moved to host
-    and back, or kept), how its parameters and optimizer state reach it, and how many layers ahead
-    its copies are issued."""
-    runs = [run for run in plan.layers if not run[2].startswith(("transpose ", "update "))]
-    kinds = list(dict.fromkeys(kind for _, _, kind in runs))
-    return ["", "Layers:", *(f"  {_layer_policy(plan, kind)}" for kind in kinds)] if kinds else []
-
-
-def _layer_policy(plan: Plan, kind: str) -> str:
-    program, schedule = plan.program, plan.schedule
-    buffers, uses = program.buffers, program.uses
-    run_of = {}  # step -> (position of its run in the step, the run's role)
-    for i, (a, y, k) in enumerate(plan.layers):
-        role = "forward" if k == kind else "backward" if k.split(" ", 1)[-1] == kind and k != kind else None
-        run_of.update((step, (i, role)) for step in range(a, y))
-    forward = [i for i, (_, _, k) in enumerate(plan.layers) if k == kind]
-    role = lambda step: run_of.get(step, (None, None))[1]  # noqa: E731
-    saved = recomputed = moved = 0
-    parameters, state = [], []
-    for b, buffer in enumerate(buffers):
-        roles = {role(r) for r in uses.read_at[b]}
-        if (
-            buffer.kind == "computed"
-            and role(uses.defined_at[b]) == "backward"
-            and buffer.label.startswith("recompute")
-        ):
-            recomputed += buffer.nbytes
-        elif buffer.kind == "computed" and role(uses.defined_at[b]) == "forward" and "backward" in roles:
-            saved += buffer.nbytes
-            moved += buffer.nbytes if b in schedule.offload_by_buffer else 0
-        elif buffer.kind == "input" and not buffer.never_moves(0) and "backward" in roles:
-            (parameters if "forward" in roles else state).append(b)
-    per = len(forward)
-    kept = f" ({moved / saved:.0%} of it moved to host and back)" if saved else ""
-    activations = (
-        f"its backward recomputes {format_bytes(recomputed // per)} a layer and reads "
-        f"{format_bytes(saved // per)} saved by its forward{kept}"
-    )
-    parts = [activations, f"parameters {_homes(schedule, parameters)}", f"optimizer state {_homes(schedule, state)}"]
-    ahead = Counter(
-        run_of[p.use_step][0] - run_of.get(p.issue_step, (run_of[p.use_step][0],))[0]
-        for b in (*parameters, *state)
-        for p in schedule.prefetches_by_buffer.get(b, ())
-        if p.use_step in run_of
-    )
-    if ahead:
-        layers = ahead.most_common(1)[0][0]
-        parts.append("copies issued within the layer" if layers <= 0 else f"copies {counted(layers, 'layer')} ahead")
-    numbers = "layer 0" if len(forward) == 1 else f"layers 0-{len(forward) - 1}"
-    return f"{numbers} ({kind}): " + "; ".join(parts)
-
-
-def _homes(schedule, inputs: list[int]) -> str:
-    """``kept on the device``, ``fetched twice``, ``streamed (fetched once)``: how ``inputs`` reach
-    their layers, by the most common number of fetches of those kept on host."""
-    on_host = [b for b in inputs if b in schedule.host_inputs]
-    if not on_host:
-        return "kept on the device" if inputs else "none"
-    fetches = Counter(len(schedule.prefetches_by_buffer.get(b, ())) for b in on_host).most_common(1)[0][0]
-    said = {1: "streamed (fetched once, returned at once)", 2: "fetched twice"}.get(fetches, f"fetched {fetches} times")
-    share = "" if len(on_host) == len(inputs) else f" ({len(on_host)} of {len(inputs)}; the rest kept on the device)"
-    return said + share
+    """The layer policy the plan was made by, one line per kind of layer, and why it was chosen
+    over the other policies timed; where layers were found but no policy fit, that it was planned
+    one operation at a time."""
+    if plan.layer_policy:
+        why = [f"  instead of    {line}" for line in plan.layer_alternatives]
+        return ["", "Layers (planned by layer):", *(f"  {line}" for line in plan.layer_policy), *why]
+    if any(kind.startswith("transpose ") for _, _, kind in plan.layers) and not plan.schedule.moves_nothing:
+        return ["", "Layers: no layer policy fits the budget; planned one operation at a time"]
+    return []
 
 
 def _loops(loops) -> str:

@@ -82,19 +82,20 @@ def _svg_curve(values, at: list[int], css: str, x, y) -> str:
 
 
 def in_core_steps(plan: Plan) -> list[int]:
-    """Where each step of the in-core estimate runs in ``plan.program``. A recomputing program has
-    the copies among the traced steps (which keep their order), so the in-core curve skips them to
-    line up with the planned one; a plan whose in-core estimate is of its own program maps as is."""
-    n, copies = len(plan.baseline_timeline.device_bytes), {r.recomputed_at for r in plan.recomputed}
-    if n + len(copies) != len(plan.timeline.device_bytes) or not copies:
-        return list(range(n))
-    return [k for k in range(n + len(copies)) if k not in copies]
+    """Where each step of the in-core estimate runs in ``plan.program``: in a recomputing program,
+    the first step that runs it (``Plan.origin_step``; the copies come later), so that the in-core
+    curve lines up with the planned one; as is in a plan of its own program."""
+    first: dict[int, int] = {}
+    for at, k in enumerate(plan.origin_step):
+        first.setdefault(k, at)
+    return [first[k] for k in sorted(first)] if first else list(range(len(plan.baseline_timeline.device_bytes)))
 
 
 def _svg_marks(plan: Plan, x) -> list[str]:
     """Marks below the axis for the moves (down triangles: offloads, up triangles: prefetches), one
     per ``_MARK_PX`` pixels and kind, whose hover title counts the moves it stands for and names
-    the largest; and one purple dot just above it per recomputed value, where its copy runs."""
+    the largest; and purple dots just above it where values are recomputed, one per ``_MARK_PX``
+    pixels likewise."""
     buffers = plan.program.buffers
     shared: dict[tuple[str, int], list[tuple[int, int]]] = {}  # (kind, column) -> (equation, buffer)
     for move in plan.schedule.moves:
@@ -112,13 +113,18 @@ def _svg_marks(plan: Plan, x) -> list[str]:
             f'<polygon class="move {kind}" points="{cx - 3:.1f},{base} {cx + 3:.1f},{base} {cx:.1f},{tip}">'
             f"<title>{title}</title></polygon>"
         )
+    columns: dict[int, list] = {}  # column -> the values recomputed there
     for r in plan.recomputed:
-        what = f"recomputed at equation {r.recomputed_at} (dropped after equation {r.dropped_after})"
-        label = html.escape(f"{what}: {r.label} ({format_bytes(r.nbytes)})", quote=False)
-        marks.append(
-            f'<circle class="recompute" cx="{x(r.recomputed_at):.0f}" cy="{_HEIGHT - _PAD - 4}" r="3">'
-            f"<title>{label}</title></circle>"
-        )
+        columns.setdefault(int(x(r.recomputed_at) // _MARK_PX), []).append(r)
+    for values in columns.values():
+        values.sort(key=lambda r: -r.nbytes)
+        at = sorted(r.recomputed_at for r in values)
+        named = ", ".join(f"{r.label} ({format_bytes(r.nbytes)})" for r in values[:_NAMED_PER_MARK])
+        more = f" and {len(values) - _NAMED_PER_MARK} more" if len(values) > _NAMED_PER_MARK else ""
+        where = f"equation {at[0]}" if len(at) == 1 else f"equations {at[0]}..{at[-1]}"
+        title = html.escape(f"{counted(len(values), 'value')} recomputed at {where}: {named}{more}", quote=False)
+        circle = f'<circle class="recompute" cx="{x(at[0]):.0f}" cy="{_HEIGHT - _PAD - 4}" r="3">'
+        marks.append(f"{circle}<title>{title}</title></circle>")
     return marks
 
 

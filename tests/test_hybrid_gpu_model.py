@@ -41,7 +41,7 @@ def test_the_smoke_model_has_both_rows_and_auto_is_never_slower_than_off(tmp_pat
         assert r["pressure_bound"]["moved_bytes"] <= r["moved_bytes"]  # a bound on any swap-only plan of it
         assert r["vs_jax_jit"] == r["simulated_s"] / record["calibration"]["in_core_target_s"]
         assert r["segments"] > 0 and r["plan_s"] > 0  # something moves: the plan is cut into segments
-        assert r["swap_only_simulated_s"] == off["plan_step_time_s"]  # both plans chose against the same swap-only
+        assert r["swap_only_simulated_s"] in (None, off["plan_step_time_s"])  # by layer: no swap-only plan to time
         assert r["in_core_simulated_s"] == record["calibration"]["in_core_simulated_s"]
     assert auto["copied_equations"] >= auto["recomputed_values"]  # a copied equation per value at least
     assert sum(auto["selector"]["recomputed_by_operation"].values()) == auto["recomputed_values"]

@@ -120,3 +120,13 @@ def test_a_plan_by_layer_copies_where_its_ranges_begin_and_cuts_each_layer_in_fe
     pieces = [sum(a <= s.start < y for s in plan.segments) for a, y in layers]  # segments each layer run starts
     assert max(pieces) <= 2, pieces
     assert not validate(plan.program, plan.schedule) and not check_segments(plan.program, plan.schedule, plan.segments)
+
+
+def test_a_plan_by_layer_says_its_policy_per_kind_of_layer_and_why_it_was_chosen_over_the_others_timed():
+    plan = planned("gpt", 0.8)
+    summary = plan.summary()
+    assert plan.layer_policy and plan.layer_alternatives
+    assert all(f"  {line}" in summary for line in plan.layer_policy)
+    assert all(f"  instead of    {line}" in summary for line in plan.layer_alternatives)
+    assert all(line.endswith(("slower", "the model errs by more")) for line in plan.layer_alternatives)
+    assert Plan.from_json(plan.to_json(full=True)).layer_policy == plan.layer_policy

@@ -8,6 +8,7 @@ from oocjax.schedule.chain import Chain, chain_of, check_chain, check_segments
 from oocjax.schedule.cost import TimedResult, simulate_time
 from oocjax.schedule.feasibility import check_feasible, required_bytes
 from oocjax.schedule.hybrid import HybridPlan, plan_hybrid
+from oocjax.schedule.layer_plan import LayerPlan, LayerPolicy, layer_schedule, plan_layers, replan_layers
 from oocjax.schedule.measured import estimated_costs, executed_peak, with_measured_scratch, with_probed_scratch
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule, keep_all
 from oocjax.schedule.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, profile_for, resolve_profile
@@ -28,6 +29,8 @@ __all__ = [
     "CutOptions",
     "DeviceProfile",
     "HybridPlan",
+    "LayerPlan",
+    "LayerPolicy",
     "MemoryTimeline",
     "MiB",
     "Move",
@@ -55,12 +58,15 @@ __all__ = [
     "executed_peak",
     "format_bytes",
     "keep_all",
+    "layer_schedule",
     "parse_bytes",
     "plan_hybrid",
+    "plan_layers",
     "plan_window",
     "pressure_bound",
     "profile_for",
     "recompute_program",
+    "replan_layers",
     "replay",
     "required_bytes",
     "resolve_profile",

@@ -1,17 +1,10 @@
-"""Recompute by block: what per-block remat does, as one candidate rewrite of the whole program.
-
-``nn.remat`` around each block keeps the block's input and recomputes everything else the block's
-backward needs. The per-value selector (``choose_recompute``) cannot always get there one class at a
-time: some classes (LayerNorm's centred input and its scale, say) lower the peak only together, so
-each alone is rejected, and the plan moves state instead. Offered whole (the selector forced to
-recompute every member, split at the forward/backward turn, then adding its own picks), the block
-candidate is planned and timed like the others (``plan_hybrid``), and taken where it moves fewer
-bytes at a time the model puts within ``hybrid.MOVE_MARGIN`` of the fastest.
-
-The members of a block (its steps ``start .. stop - 1`` in the forward pass) are the computed
-values it makes, less those the forward pass reads after the block (its output, the next block's
-input, which is kept as remat keeps it). Those only the block reads are members too: a member's
-copy reads them, and were they not members, the copy would keep them alive from the forward pass.
+"""Recompute by block: what per-block remat recomputes (``block_targets``), for the layer planner's
+``recomputed`` policies (``schedule.layer_plan``). ``nn.remat`` around each block keeps the block's
+input and recomputes everything else the block's backward needs: the members of a block (its steps
+``start .. stop - 1`` in the forward pass) are the computed values it makes, less those the forward
+pass reads after the block (its output, the next block's input). Those only the block reads are
+members too: a member's copy reads them, and were they not members, the copy would keep them alive
+from the forward pass.
 """
 
 from __future__ import annotations

@@ -1,43 +1,37 @@
 """Keep, move or recompute: the plan a step runs, chosen by simulated step time.
 
-Up to three candidates are planned for one budget:
+Where the step's layers are known, the plan is made by layer (``schedule.layer_plan``): one policy
+for every layer's activations, parameters and optimizer state, its copies where the layers' units
+begin, and the window planner for what lies outside the layers. Elsewhere, and where no layer
+policy fits the budget, two candidates are planned for one budget:
 
 * **swap only**: the adaptive window planner (``plan_window``) on the program as traced;
 * **hybrid**: ``choose_recompute`` rewrites the program so that less is live at its peak (values
   dropped after their forward use and recomputed before their backward use), and the window
-  planner moves what still does not fit;
-* **by block**, where the step's layers are known: every block's insides recomputed for its
-  backward pass, its input kept (``schedule.blocks``: per-block remat), the selector's picks on
-  top of that, and the window planner moves what still does not fit;
-* **by half-block**: the same with each block's narrowest point in its middle kept too, so that
-  the second half is recomputed for its own backward pass without the first (a transformer
-  block's attention is then recomputed only when its backward comes, not held through the MLP's).
+  planner moves what still does not fit.
 
-The window planner plans each step by step and, where the layers are known or the state is larger
-than the budget, in ranges of steps (``schedule.ranges``) that never cross a layer's bounds, so
-that a plan's copies and segments follow the layers.
-
-All are timed with the same device profile (``simulate_time``); a recomputing plan is taken only
-when it is faster, or as fast and moving less (PoocH's rule: recompute where recomputing costs less than
-moving), so the answer is never slower than swap-only by the model. A hybrid that moves nothing is what recomputation
-is for: it wins as soon as the FLOPs it adds cost less than the exposed transfers they replace.
+Both are timed with the same device profile (``simulate_time``); the recomputing plan is taken when
+it moves fewer bytes, unless swap only is faster by more than ``MOVE_MARGIN``, or when it is faster
+by more than that (PoocH's rule: recompute where recomputing costs less than moving). A hybrid
+that moves nothing is what recomputation is for: it wins as soon as the FLOPs it adds cost less
+than the exposed transfers they replace.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from oocjax.errors import BudgetInfeasibleError
-from oocjax.schedule.blocks import block_targets
 from oocjax.schedule.cost import simulate_time
+from oocjax.schedule.layer_plan import MOVE_MARGIN, LayerPlan, plan_layers
 from oocjax.schedule.moves import Schedule, keep_all
 from oocjax.schedule.profiles import DeviceProfile
 from oocjax.schedule.program import Program
-from oocjax.schedule.recompute import choices_alike, choose_recompute
-from oocjax.schedule.rewrite import Rewrite, hoisted, identity_rewrite, recompute_program, runs_after
+from oocjax.schedule.recompute import choose_recompute
+from oocjax.schedule.rewrite import Rewrite, identity_rewrite
+from oocjax.schedule.simulate import simulate
 from oocjax.schedule.units import MiB
 from oocjax.schedule.window import plan_window
 
@@ -58,10 +52,11 @@ class HybridPlan:
       step_time_s: simulated step time of that plan.
       in_core_time_s: simulated step time of the program as traced with nothing moved or recomputed,
         on the same profile: the step in core, were the device large enough.
-      swap_only: the adaptive window plan of the original program (None where it is infeasible).
-      swap_only_time_s: its simulated step time (None where infeasible).
-      by_block: whether ``rewrite`` recomputes by block (``schedule.blocks``) rather than by the
-        per-value selector.
+      swap_only: the adaptive window plan of the original program (None where it is infeasible, or
+        not made: a plan by layer).
+      swap_only_time_s: its simulated step time (None where not made).
+      layer_plan: the plan by layer (``schedule.layer_plan``) where this is one: its policy and the
+        policies it was chosen over.
     """
 
     rewrite: Rewrite
@@ -70,7 +65,7 @@ class HybridPlan:
     in_core_time_s: float
     swap_only: Schedule | None
     swap_only_time_s: float | None
-    by_block: bool = False
+    layer_plan: LayerPlan | None = None
 
     @property
     def program(self) -> Program:
@@ -87,18 +82,16 @@ def plan_hybrid(
     window_bytes: int | None = None,
     min_offload_bytes: int = MiB,
     planner: Callable[..., Schedule] = plan_window,
-    blocks: Sequence[tuple[int, int]] = (),
-    backward_start: int = 0,
-    layers: Sequence[tuple[int, int]] = (),
+    runs: Sequence[tuple[int, int, str]] = (),
 ) -> HybridPlan:
-    """Plans ``program`` within ``budget_bytes``: swap only, or recompute and swap, whichever the
-    simulation says is faster (``recompute="auto"``); ``"off"``: the window planner alone;
-    ``"always"``: the recomputing plan whenever the selector finds values to recompute (tests,
-    experiments); a ``RecomputePolicy`` forces or forbids values by producer name and label, then
-    chooses as ``"always"``. ``planner`` makes the moves (the window planner). ``blocks``: each
-    layer's forward steps, ``backward_start`` the backward's first, for the by-block candidate;
-    ``layers``: every layer's steps, forward, backward and update (default ``blocks``), where the
-    selector makes its choices alike. Raises ``BudgetInfeasibleError`` when neither plan fits.
+    """Plans ``program`` within ``budget_bytes``. Given its layers (``runs``: ``(start, stop, kind)``
+    per run of a layer, ``transforms.layers``), by layer (``schedule.layer_plan``), with ``recompute``
+    saying which layer policies may recompute; elsewhere, or where no layer policy fits: swap only,
+    or recompute and swap, whichever the simulation says (``recompute="auto"``); ``"off"``: the
+    window planner alone; ``"always"``: the recomputing plan whenever the selector finds values to
+    recompute (tests, experiments); a ``RecomputePolicy`` forces or forbids values by producer name
+    and label, then chooses as ``"always"``, operation by operation. ``planner`` makes the moves (the
+    window planner). Raises ``BudgetInfeasibleError`` when no plan fits.
 
     >>> from oocjax.schedule.synthetic import layered_training_step
     >>> p = layered_training_step(3)
@@ -108,47 +101,34 @@ def plan_hybrid(
     """
     forced, recomputable = _apply_policy(program, recompute, recomputable)
     window = dict(window_bytes=window_bytes, min_offload_bytes=min_offload_bytes)
+    in_core = simulate_time(program, keep_all(program), profile).step_time_s
+    if runs and not callable(recompute) and simulate(program, keep_all(program)).peak_bytes > budget_bytes:
+        layered = plan_layers(
+            program, runs, budget_bytes, recomputable=recomputable, profile=profile, recompute=recompute, **window
+        )
+        if layered is not None:
+            plan = dict(rewrite=layered.rewrite, schedule=layered.schedule, step_time_s=layered.step_time_s)
+            return HybridPlan(**plan, in_core_time_s=in_core, swap_only=None, swap_only_time_s=None, layer_plan=layered)
     swap, infeasible = None, None  # swap only: the window planner on the program as traced
     try:
-        swap = planner(program, budget_bytes, **window, layers=tuple(layers or blocks))
+        swap = planner(program, budget_bytes, **window)
     except BudgetInfeasibleError as error:
         infeasible = error
     swap_time = None if swap is None else simulate_time(program, swap, profile).step_time_s
-    candidates = [] if swap is None else [_Candidate(identity_rewrite(program), swap, swap_time, False)]
+    candidates = [] if swap is None else [_Candidate(identity_rewrite(program), swap, swap_time)]
     if recompute != "off" and not (swap is not None and swap.moves_nothing):
         rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes, forced=forced)
-        rules["layers"] = runs = layers or blocks
-        alike = functools.partial(choices_alike, program, rules["layers"])
-        rewrites = [(choose_recompute(program, budget_bytes, **rules), False)]
-        candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike, runs)
-        # Per-block remat (which recomputes more), then the selector's picks, where those alone move
-        # or are not alike in alike layers.
-        if blocks and recompute == "auto" and not any(c.schedule.moves_nothing and c.alike for c in candidates):
-            by_block = dict.fromkeys(block_targets(program, blocks, backward_start), backward_start)
-            halves = dict.fromkeys(block_targets(program, blocks, backward_start, midpoint=True), backward_start)
-            rewrites = [
-                (choose_recompute(program, budget_bytes, **rules | dict(forced=by_block)), True),
-                (recompute_program(program, halves, recomputable=recomputable, across=halves), True),
-            ]
-            candidates += _planned(rewrites, planner, budget_bytes, window, profile, alike, runs)
+        chosen = choose_recompute(program, budget_bytes, **rules)
+        schedule = _plan_or_none(planner, chosen, budget_bytes, window) if chosen.recomputed else None
+        if schedule is not None:
+            candidates.append(
+                _Candidate(chosen, schedule, simulate_time(chosen.program, schedule, profile).step_time_s)
+            )
     if not candidates:
         raise infeasible
-    chosen = _chosen(candidates, recompute, swap, budget_bytes)
-    plan = dict(rewrite=chosen.rewrite, schedule=chosen.schedule, step_time_s=chosen.time_s, by_block=chosen.by_block)
-    in_core = simulate_time(program, keep_all(program), profile).step_time_s
+    chosen = _chosen(candidates, recompute)
+    plan = dict(rewrite=chosen.rewrite, schedule=chosen.schedule, step_time_s=chosen.time_s)
     return HybridPlan(**plan, in_core_time_s=in_core, swap_only=swap, swap_only_time_s=swap_time)
-
-
-# A plan that moves more bytes replaces one that moves fewer only when the model says it is faster
-# by more than this: the model's step times err by more (the committed H200 run measured the step
-# 2.7-fold under its simulation), and a plan that moves less is the steadier: its layers stay alike,
-# and alike layers share compiled programs.
-MOVE_MARGIN = 0.15
-# Moving fewer bytes makes a plan no steadier where the difference is this share of the budget or
-# less: a 24-layer decoder's selector plan, 362 KB moved (0.8%) and 9% faster by the model, lost to
-# recomputing every block, and a 4-layer one's, 16 KB more, to the same; their backward programs
-# then compile the forward's kernels too (a first call 1.8x jax.jit's where it was 1.2x).
-NEGLIGIBLE_MOVES = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,64 +136,22 @@ class _Candidate:
     rewrite: Rewrite
     schedule: Schedule
     time_s: float
-    by_block: bool
-    alike: bool = True  # its choices are alike in alike layers (``recompute.choices_alike``)
 
     @property
     def moved_bytes(self) -> int:
         return self.schedule.moved_bytes(self.rewrite.program)
 
 
-def _planned(
-    rewrites: list, planner: Callable, budget_bytes: int, window: dict, profile, alike: Callable, runs: Sequence
-) -> list[_Candidate]:
-    """The rewrites (each with whether it is by block) that the planner fits, planned and timed;
-    ``runs``: the original program's layers (``rewrite.hoisted``)."""
-    candidates = []
-    for chosen, by_block in rewrites:
-        if not chosen.recomputed:
-            continue
-        rewrite, schedule = _hoisted_plan(planner, chosen, budget_bytes, window, runs)
-        if schedule is not None:
-            time = simulate_time(rewrite.program, schedule, profile).step_time_s
-            candidates.append(_Candidate(rewrite, schedule, time, by_block, alike(rewrite.recomputed)))
-    return candidates
-
-
-def _chosen(
-    candidates: list[_Candidate], recompute: RecomputeMode | RecomputePolicy, swap: Schedule | None, budget_bytes: int
-) -> _Candidate:
-    """The candidate ``plan_hybrid`` takes: under ``"always"`` or a policy, the first recomputing plan
-    (right after swap only, or first where swap only is infeasible); else ``_steadiest``'s pick."""
-    forcing = recompute == "always" or callable(recompute)
-    chosen = (
-        candidates[1] if forcing and len(candidates) > 1 and swap is not None else _steadiest(candidates, budget_bytes)
-    )
-    if forcing and swap is None:
-        chosen = candidates[0]
-    return chosen
-
-
-def _steadiest(candidates: list[_Candidate], budget_bytes: int) -> _Candidate:
-    """The candidate moving the fewest bytes (the fastest of those), unless one moving more is
-    faster by more than ``MOVE_MARGIN``, or faster at all while moving about as much (at most
-    ``MOVE_MARGIN`` more, or more by under ``NEGLIGIBLE_MOVES`` of the budget) with its choices
-    alike in alike layers: a selector plan whose layers differ compiles more programs than the
-    by-block plan it would replace (a 4-layer plain decoder's: 24 against 8). For the same reason a
-    plan alike in alike layers replaces one that is not where it moves no more and is at most
-    ``MOVE_MARGIN`` slower (the 4-layer zoo transformer's selector plan, 1.05x faster by the model,
-    compiled 20 programs and measured over its budget where the half-block plan compiles 5). Ties
-    in time go to fewer copies."""
+def _chosen(candidates: list[_Candidate], recompute: RecomputeMode | RecomputePolicy) -> _Candidate:
+    """The candidate ``plan_hybrid`` takes: under ``"always"`` or a policy, the recomputing plan
+    where there is one; else the one moving the fewest bytes, unless the other is faster by more
+    than ``MOVE_MARGIN`` (ties in time go to fewer copies)."""
+    if recompute == "always" or callable(recompute):
+        return candidates[-1]
     ordered = sorted(candidates, key=lambda c: (c.moved_bytes, c.time_s, _moved(c.schedule)))
     chosen = ordered[0]
     for candidate in ordered[1:]:
-        extra = candidate.moved_bytes - chosen.moved_bytes
-        close = candidate.alike and (
-            extra <= MOVE_MARGIN * chosen.moved_bytes or extra < NEGLIGIBLE_MOVES * budget_bytes
-        )
-        steadier = candidate.alike and not chosen.alike and extra <= 0
-        faster = candidate.time_s * (1 + MOVE_MARGIN) < chosen.time_s or (close and candidate.time_s < chosen.time_s)
-        if faster or (steadier and candidate.time_s <= chosen.time_s * (1 + MOVE_MARGIN)):
+        if candidate.time_s * (1 + MOVE_MARGIN) < chosen.time_s:
             chosen = candidate
     return chosen
 
@@ -242,26 +180,9 @@ def _moved(schedule: Schedule) -> int:
     return len(schedule.moves) + len(schedule.host_inputs)
 
 
-def _hoisted_plan(
-    planner: Callable, rewrite: Rewrite, budget_bytes: int, window: dict, runs: Sequence
-) -> tuple[Rewrite, Schedule | None]:
-    """``rewrite`` with the copies of no layer's work run before the layer they serve
-    (``rewrite.hoisted``, ``runs``: the original program's layers) and its plan; as it is where
-    that does not fit; None for the plan where neither does."""
-    moved = hoisted(rewrite, runs)
-    schedule = _plan_or_none(planner, moved, budget_bytes, window, runs)
-    if schedule is None and moved is not rewrite:
-        return rewrite, _plan_or_none(planner, rewrite, budget_bytes, window, runs)
-    return moved, schedule
-
-
-def _plan_or_none(
-    planner: Callable, rewrite: Rewrite, budget_bytes: int, window: dict, runs: Sequence
-) -> Schedule | None:
-    """The plan of ``rewrite``'s program, with its layers (``runs``, of the original program, as
-    they lie in the rewritten one), or None where it does not fit."""
-    layers = tuple((a, y) for a, y, _ in runs_after(rewrite, [(a, y, "") for a, y, *_ in runs]))
+def _plan_or_none(planner: Callable, rewrite: Rewrite, budget_bytes: int, window: dict) -> Schedule | None:
+    """The plan of ``rewrite``'s program, or None where it does not fit."""
     try:
-        return planner(rewrite.program, budget_bytes, **window, layers=layers)
+        return planner(rewrite.program, budget_bytes, **window)
     except BudgetInfeasibleError:
         return None  # the rewrite lengthened some value's life past what a step can hold

@@ -1,15 +1,12 @@
 """Cuts at layers alike: where groups of repeated layers begin and end (``layer_groups``), so that
-they run one compiled program; the prefetch cuts inside them that wait for their end instead; and
-what two ranges of steps compile to as far as the planner sees (``segment_signature``).
+they run one compiled program; and what two ranges of steps compile to as far as the planner sees
+(``segment_signature``).
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
-from collections import Counter
 from collections.abc import Sequence
 
-from oocjax.schedule.moves import Schedule
 from oocjax.schedule.program import Program
 
 MIN_GROUPS = 4
@@ -57,29 +54,6 @@ def layer_groups(
         signatures = [segment_signature(program, a, y) for a, y in ranges]
         groups += [r for r, signature in zip(ranges, signatures) if signatures.count(signature) > 1]
     return tuple(groups)
-
-
-def deferred_prefetches(schedule: Schedule, groups: Sequence[tuple[int, int]]) -> set[int]:
-    """The steps where prefetches are issued inside a group of layers alike (``layer_groups``) for
-    reads after it, where most groups alike have no cut: they wait for the group's end (the
-    executor issues a prefetch a segment does not read after it), holding nothing more, rather than
-    cut one layer unlike the others (a 4-layer decoder's bottom backward layer, as the update's
-    optimizer state began to come back, was two programs of its own). Where most groups cut there
-    too (the next layer's weights fetched while one runs), the cut stays: the copy overlaps the
-    layer, and the pieces share programs."""
-    waits, fetched = {m.done_before_step for m in schedule.offloads}, schedule.prefetches_by_issue_step
-    starts, inside = [a for a, _ in groups], {}  # issue step -> its group
-    for k in fetched:
-        i = bisect_right(starts, k) - 1
-        if i >= 0 and starts[i] < k < groups[i][1] and k not in waits:
-            inside[k] = groups[i]
-    alike = Counter(y - a for a, y in groups)  # groups are kept where alike another: alike in length
-    cut_at = Counter((y - a, k - a) for k, (a, y) in inside.items())
-    return {
-        k
-        for k, (a, y) in inside.items()
-        if 2 * cut_at[y - a, k - a] <= alike[y - a] and all(m.use_step >= y for m in fetched[k])
-    }
 
 
 def segment_signature(program: Program, a: int, y: int) -> tuple:

@@ -20,7 +20,7 @@ ahead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from oocjax.errors import BudgetInfeasibleError
@@ -145,31 +145,12 @@ def refined(program: Program, coarse: Schedule, ranges: list[Range], ids: tuple[
     )
 
 
-def plan_in_ranges(
-    program: Program,
-    budget_bytes: int,
-    share: float,
-    plan: Callable[..., Schedule],
-    layers: Sequence[tuple[int, int]] = (),
-) -> Schedule:
+def plan_in_ranges(program: Program, budget_bytes: int, share: float, plan: Callable[..., Schedule]) -> Schedule:
     """``plan`` (the window planner) run on ranges that each fit ``share`` of the budget alone, its
-    moves put back on the steps. Given the steps of ``layers``: ranges inside layers only, each step
-    outside them its own, and ``plan`` told which layer each range belongs to."""
-    layer_of = layer_of_steps(len(program.steps), layers)
-    bounds = {bound for run in layers for bound in run}
-    bounds |= {k + d for k, layer in enumerate(layer_of) if layer < 0 and layers for d in (0, 1)}
-    ranges = ranges_within(program, int(share * budget_bytes), frozenset(bounds))
+    moves put back on the steps."""
+    ranges = ranges_within(program, int(share * budget_bytes))
     coarse, ids = coarse_program(program, ranges)
-    groups = [layer_of[r.start] for r in ranges] if layers else []
-    return refined(program, plan(coarse, budget_bytes, groups), ranges, ids)
-
-
-def layer_of_steps(steps: int, layers: Sequence[tuple[int, int]]) -> list[int]:
-    """Per step, the layer (its position in ``layers``) that runs it, -1 for none."""
-    group = [-1] * steps
-    for i, (a, y) in enumerate(layers):
-        group[a:y] = [i] * (y - a)
-    return group
+    return refined(program, plan(coarse, budget_bytes), ranges, ids)
 
 
 # Where the state is larger than the budget, the step is also planned in ranges that each fit these
@@ -178,29 +159,20 @@ def layer_of_steps(steps: int, layers: Sequence[tuple[int, int]]) -> list[int]:
 # (segment_profile-nvidia-h200-2026-11-26.json), the time its link moves 70 MB in (54 GB/s each
 # way, gpu-nvidia-h200-2026-11-26b.json).
 RANGE_SHARES = (0.2, 0.3, 0.4, 0.5, 0.7, 0.9)
-# By layer, the smaller shares cut a layer into more pieces than its plan ever took (and each costs
-# a window plan: a 4-layer decoder's first call spent 2.4 s of 4.5 in 24 of them).
-LAYER_SHARES = (0.5, 0.7, 0.9)
 BOUNDARY_BYTES = 70 * 10**6
 
 
 def cheapest_in_ranges(
-    program: Program,
-    budget_bytes: int,
-    plan: Callable[..., Schedule],
-    step_by_step: Schedule,
-    layers: Sequence[tuple[int, int]] = (),
+    program: Program, budget_bytes: int, plan: Callable[..., Schedule], step_by_step: Schedule
 ) -> Schedule:
     """The plan whose copies (each way: half of both) and boundaries (the segments it starts) cost
     the least link time, of ``plan`` in ranges of each of ``RANGE_SHARES`` of the budget and of
-    ``step_by_step``. Given the steps of ``layers``, the plan by layer: ranges inside layers only
-    (split where a layer does not fit), each step outside them its own, as planned step by step;
-    ``step_by_step`` only where no such plan fits."""
-    plans = [] if layers else [step_by_step]
-    for share in LAYER_SHARES if layers else RANGE_SHARES:
+    ``step_by_step``."""
+    plans = [step_by_step]
+    for share in RANGE_SHARES:
         try:
-            plans.append(plan_in_ranges(program, budget_bytes, share, plan, layers))
+            plans.append(plan_in_ranges(program, budget_bytes, share, plan))
         except (BudgetInfeasibleError, ValueError):  # a range alone over the budget or the window
             continue
     boundaries = lambda s: len(s.copy_steps | s.segment_starts)  # noqa: E731
-    return min(plans or [step_by_step], key=lambda s: s.moved_bytes(program) // 2 + boundaries(s) * BOUNDARY_BYTES)
+    return min(plans, key=lambda s: s.moved_bytes(program) // 2 + boundaries(s) * BOUNDARY_BYTES)

@@ -33,16 +33,14 @@ estimated savings together stay within the bytes over the budget there (each wou
 anyway); such a pick is kept only if the peak falls by 3/4 of its estimate, else its best class is
 tried alone, and one class at a time from then on. Where the classes a pick would take are
 estimated to save under a quarter of the excess, the best class that alone covers it goes first
-(``_leap``). Given the layers' steps, the choices are then made alike in alike layers
-(``_alike_in_alike_layers``: as most of them have it, else in all), where that fits in core as
-well, within a thousandth of the budget: alike layers then compile one program, the bottom included.
+(``_leap``). (Where the step's layers are known, it is planned by layer instead, ``schedule.layer_plan``:
+every layer recomputed alike, or kept alike.)
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import NamedTuple
@@ -64,7 +62,6 @@ def choose_recompute(
     min_offload_bytes: int = MiB,
     max_picks: int = 1000,
     forced: Iterable[int] | Mapping[int, int] = (),
-    layers: Sequence[tuple[int, int]] = (),
     batched: bool = True,
     rewrite: Callable[..., Rewrite] = recompute_program,
 ) -> Rewrite:
@@ -89,10 +86,6 @@ def choose_recompute(
       batched: try the classes the bytes over the budget need anyway in one rewrite (False: one
         class a pick, from the first).
       rewrite: the rewrite each trial is made with (``recompute_program``; a test counts them).
-      layers: the steps ``(start, stop)`` of each run of a layer (forward, backward, update): the
-        choices are then made alike in layers alike (``_alike_in_alike_layers``), so that they
-        share compiled programs (a bias gradient recomputed for the update of two of four
-        backward layers left those two unlike the others: two programs more to compile).
 
     Returns:
       The rewrite of ``program`` (the identity if it already fits, or nothing helps); ``skipped``
@@ -108,7 +101,7 @@ def choose_recompute(
         raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
     profile = resolve_profile(DEFAULT_PROFILE if profile is None else profile)
     rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes)
-    tries = dict(max_picks=max_picks, forced=forced, layers=layers, batched=batched, rewrite=rewrite)
+    tries = dict(max_picks=max_picks, forced=forced, batched=batched, rewrite=rewrite)
     with gc_paused():
         return _greedy(program, budget_bytes, **tries, **rules)
 
@@ -122,12 +115,10 @@ def _greedy(
     min_offload_bytes: int,
     max_picks: int,
     forced: Iterable[int] | Mapping[int, int],
-    layers: Sequence[tuple[int, int]],
     batched: bool,
     rewrite: Callable[..., Rewrite],
 ) -> Rewrite:
-    """``choose_recompute``'s loop: a class of candidates or more a pick, until the step fits in core;
-    then the choices made alike in alike layers, where that still fits as well."""
+    """``choose_recompute``'s loop: a class of candidates or more a pick, until the step fits in core."""
     floor_fits = max(required_bytes(program, min_offload_bytes), default=0) <= budget_bytes
     targets: dict[int, int | None] = dict(forced) if isinstance(forced, Mapping) else dict.fromkeys(forced)
     chosen = (
@@ -168,9 +159,6 @@ def _greedy(
         else:
             rejected.add(batch[0].key)
             skipped += [Skipped(buffer=b, reason=why_not) for b in members]
-    alike = _alike_in_alike_layers(program, targets, layers, keep=set(forced))
-    trials = (rewrite(program, t, recomputable=recomputable, across=t) for t in alike)
-    chosen = next((t for t in trials if _fits_as_well(t, device, budget_bytes, floor_fits, min_offload_bytes)), chosen)
     kept = set(chosen.recomputed)  # a chain member of a rejected class may join a later one
     return replace(chosen, skipped=(*chosen.skipped, *(s for s in skipped if s.buffer not in kept)))
 
@@ -264,61 +252,6 @@ def _excess(device: Sequence[int], budget: int) -> tuple[int, int]:
     return max(device, default=0), sum(max(0, live - budget) for live in device)
 
 
-def _fits_as_well(trial: Rewrite, device: Sequence[int], budget: int, floor_fits: bool, min_offload_bytes: int) -> bool:
-    """Whether ``trial`` fits in core where ``device`` (bytes per step) did, is no further over the
-    budget where it did not, but for a thousandth (a 4-layer decoder's bottom layer held 256 bytes
-    less of 7.4 MB with its own bias gradient recomputed, and compiled two more programs), and keeps
-    the smallest feasible budget within the budget."""
-    (peak, over), (was_peak, was_over) = _excess(trial.program.in_core_bytes, budget), _excess(device, budget)
-    slight = peak <= was_peak + budget / 1000 and over <= was_over * 1.001
-    held = peak <= budget or (peak, over) <= (was_peak, was_over) or slight
-    return held and not (floor_fits and max(required_bytes(trial.program, min_offload_bytes)) > budget)
-
-
-def choices_alike(program: Program, layers: Sequence[tuple[int, int]], recomputed: Iterable[int]) -> bool:
-    """Whether the values ``recomputed`` (buffers of ``program``) are recomputed alike in alike
-    layers (``layers``: their steps): in all of them or in none, so that they share programs."""
-    return not _alike_in_alike_layers(program, dict.fromkeys(recomputed), layers, set())
-
-
-def _alike_in_alike_layers(
-    program: Program, targets: Mapping[int, int | None], layers: Sequence[tuple[int, int]], keep: set[int]
-) -> list[dict[int, int | None]]:
-    """Targets with each value of alike layers (the same operations on the same sizes) recomputed
-    in all of them or in none: first as most of them have it, then in all; none where the choices
-    are alike already. The greedy picks leave the first and last layers unlike the rest (a class
-    only the bottom layer has live where the last bytes over the budget stand), and each unlike
-    layer compiles a program of its own. A value added is split where most of its like are;
-    ``keep`` (forced values) is never dropped."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for start, stop in layers:
-        groups[tuple(_step_shape(program, step) for step in program.steps[start:stop])].append(start)
-    most, everywhere, unlike = dict(targets), dict(targets), False
-    for shape, starts in groups.items():
-        for offset in range(len(shape) if len(starts) > 1 else 0):
-            for which in range(len(program.steps[starts[0] + offset].writes)):
-                alike = [program.steps[start + offset].writes[which] for start in starts]
-                chosen = [b for b in alike if b in targets]
-                if not chosen or len(chosen) == len(alike):
-                    continue
-                unlike = True
-                across = Counter(targets[b] for b in chosen).most_common(1)[0][0]
-                added = dict.fromkeys((b for b in alike if b not in targets), across)
-                everywhere.update(added)
-                if 2 * len(chosen) >= len(alike):
-                    most.update(added)
-                else:
-                    for b in set(chosen) - keep:
-                        del most[b]
-    return [most, everywhere] if unlike else []
-
-
-def _step_shape(program: Program, step: Step) -> tuple:
-    """What a step shares with its like in another layer: its operation, work and sizes."""
-    sizes = tuple(program.buffers[i].nbytes for i in step.reads), tuple(program.buffers[w].nbytes for w in step.writes)
-    return step.name, step.flops, step.transient_bytes, *sizes
-
-
 def _estimates_held(batch: list[_Class], device: Sequence[int], after: Sequence[int]) -> bool:
     """Whether the peak fell by at least 3/4 of what the classes were estimated to save."""
     estimated = sum(pick.saved_bytes for pick in batch)
@@ -407,4 +340,5 @@ def _holds(ascending: tuple[int, ...], k: int) -> bool:
 def _class_key(program: Program, step: Step, b: int) -> ClassKey:
     """What identical layers share: the producer's operation, work, sizes and source, and which of
     its results the value is. Buffer labels are left out: they name the layer."""
-    return (*_step_shape(program, step), step.label, step.writes.index(b))
+    sizes = tuple(program.buffers[i].nbytes for i in step.reads), tuple(program.buffers[w].nbytes for w in step.writes)
+    return step.name, step.flops, step.transient_bytes, *sizes, step.label, step.writes.index(b)

@@ -350,8 +350,8 @@ def _copy_label(label: str, b: int) -> str:
 def runs_after(rewrite: Rewrite, runs: Sequence[tuple[int, int, str]]) -> tuple[tuple[int, int, str], ...]:
     """Runs ``(start, stop, kind)`` of the original program's steps (``transforms.layers``) as runs of
     the rewritten one: each from just after the original step before its first, so that the copies
-    made for its steps join it (but not copies of steps outside every run that lead it: ``hoisted``
-    puts them there), to just after its last. Runs found again in the rewritten program
+    made for its steps join it (but not copies of steps outside every run that lead it), to just
+    after its last. Runs found again in the rewritten program
     are not as good: copies a layer recomputes in its own way (its input's producer, at the bottom
     layer) break the repeats a search by structure looks for.
 
@@ -372,52 +372,6 @@ def runs_after(rewrite: Rewrite, runs: Sequence[tuple[int, int, str]]) -> tuple[
             start += 1
         found.append((start, at[y - 1] + 1, kind))
     return tuple(found)
-
-
-def hoisted(rewrite: Rewrite, runs: Sequence[tuple[int, ...]]) -> Rewrite:
-    """``rewrite`` with the copies of steps outside every run (``runs``: ``(start, stop, ...)`` of
-    the original program's steps, e.g. its layers) that fall inside a run moved to the start of that
-    run, where what they read is made before it; ``runs_after`` leaves them out of the run. Copies
-    are made where first needed, so a value made outside the layers and recomputed for one of them
-    (a decoder's embedding output, for its bottom layer's backward pass) lands inside that layer:
-    it would run a program of its own, unlike its siblings. Moved, it is held a few steps longer.
-
-    >>> p = Program.from_ops(
-    ...     [("f", ["x"], ["a"]), ("g", ["x", "a"], ["b"]), ("h", ["b"], ["c"]), ("k", ["a", "c"], ["y"])],
-    ...     {"x": 1, "a": 8, "b": 1, "c": 1, "y": 1}, inputs=["x"], outputs=["y"])
-    >>> r = recompute_program(p, [1], recomputable=lambda step: True, across=2)  # a made again before k
-    >>> r.origin_step, hoisted(r, [(2, 4)]).origin_step, runs_after(hoisted(r, [(2, 4)]), [(2, 4, "layer")])
-    ((0, 1, 2, 0, 3), (0, 1, 0, 2, 3), ((3, 5, 'layer'),))
-    """
-    if not rewrite.copied_steps or not runs:
-        return rewrite
-    copied, outside = set(rewrite.copied_steps), _outside_every_run(rewrite, runs)
-    postponed = set(rewrite.postponed_steps)
-    steps, defined_at = rewrite.program.steps, rewrite.program.uses.defined_at
-    order: list[int] = []
-    moved = False
-    for start, stop, _ in runs_after(rewrite, [(a, y, "") for a, y, *_ in runs]):
-        order += range(len(order), start)
-        early: dict[int, None] = {}
-        for k in range(start, stop):
-            if k in copied and outside(k):
-                made = (defined_at[b] for b in steps[k].reads)
-                if all(d is None or d < start or d in early for d in made):
-                    early[k] = None
-        order += [*early, *(k for k in range(start, stop) if k not in early)]
-        moved |= any(k != start + i for i, k in enumerate(early))
-    if not moved:
-        return rewrite
-    order += range(len(order), len(steps))
-    program = Program(steps=tuple(steps[k] for k in order), buffers=rewrite.program.buffers)
-    return replace(
-        rewrite,
-        program=program,
-        origin_step=tuple(rewrite.origin_step[k] for k in order),
-        copied_steps=tuple(i for i, k in enumerate(order) if k in copied),
-        postponed_steps=tuple(i for i, k in enumerate(order) if k in postponed),
-        peak_bytes=max(program.in_core_bytes, default=0),
-    )
 
 
 def _original_at(rewrite: Rewrite) -> list[int]:

@@ -11,7 +11,7 @@ A segment trades timing fidelity for dispatch cost, and memory for both:
 
 * **Cuts.** Every prefetch issue step and every step an offload must be done before is a cut: a
   prefetch issued earlier than planned would take memory early, and a wait cannot fall inside a
-  compiled program. A prefetch for after a layer may wait for its end (``deferred_prefetches``).
+  compiled program.
 * **Memory.** A segment's device memory is coarser than the per-step model: its arguments live
   through the whole program, its results are allocated when it is launched (new parameters
   written over donated old ones excepted: XLA updates those in place), and prefetches are issued
@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
-from oocjax.schedule.layer_cuts import deferred_prefetches, layer_groups, segment_signature
+from oocjax.schedule.layer_cuts import layer_groups, segment_signature
 from oocjax.schedule.moves import Offload, Schedule
 from oocjax.schedule.program import Program, Stay, Step
 
@@ -371,21 +371,24 @@ def cut_segments(program: Program, schedule: Schedule, cut: CutOptions | None = 
 
 def unfitted_ranges(program: Program, schedule: Schedule, segments: Sequence[Segment], cut: CutOptions) -> dict:
     """The ranges between ``cut``'s bounds that ``segments`` cut into pieces by the estimate and
-    that might fit whole (``PROBE_SLACK``), each as one segment by its ``segment_signature``, one
-    per signature not in ``cut.measured``: to compile and measure, then cut again with what they
-    measured. On the 4-layer decoder of ``examples/decoders.py`` at 30% of its in-core peak, a
-    layer's backward pass estimated at 7.40 MB measured 6.28 MB; two of the four backward layers
-    were cut into 6 and 10 pieces by the estimate, each a program to compile."""
+    that might fit whole, or keep whole and that might not (``PROBE_SLACK`` either way), each as
+    one segment by its ``segment_signature``, one per signature not in ``cut.measured``: to compile
+    and measure, then plan or cut again with what they measured. On the 4-layer decoder of
+    ``examples/decoders.py`` at 30% of its in-core peak, a layer's backward pass estimated at 7.40
+    MB measured 6.28 MB (two of the four backward layers were cut into 6 and 10 pieces by the
+    estimate, each a program to compile); planned by layer, a backward layer with its update
+    measured 3% over its estimate of 7.10 MB."""
     if cut.min_segments > 1:
         return {}  # cut for a count: as the estimate says
     cutter, whole, probes = _Segmenter(program, schedule), {(s.start, s.stop) for s in segments}, {}
     bounds, _ = _bounds(program, schedule, cut)
     original_of, measured = dict((c, o) for o, c in cut.copies), dict(cut.measured)
     for a, y in pairwise(bounds):
-        if (a, y) in whole or not cutter.fits_as_one(a, y) or _mixes(a, y, original_of):
+        if not cutter.fits_as_one(a, y) or _mixes(a, y, original_of):
             continue
         held, estimate = cutter.estimate(a, y)
-        if held + (1 - PROBE_SLACK) * (estimate - held) <= cut.budget_bytes < estimate:
+        low, high = (held + (1 + d) * (estimate - held) for d in (-PROBE_SLACK, PROBE_SLACK))
+        if (low <= cut.budget_bytes < estimate) if (a, y) not in whole else (estimate <= cut.budget_bytes < high):
             signature = segment_signature(program, a, y)
             if signature not in measured:
                 probes.setdefault(signature, cutter.segment(a, y, None))
@@ -396,7 +399,7 @@ def _bounds(program: Program, schedule: Schedule, cut: CutOptions) -> tuple[list
     """The steps segments must start at (the step count last), and those no merge may remove."""
     n = len(program.steps)
     groups = layer_groups(program, cut.layers, cut.min_segment_flops)
-    cuts = {0, *(schedule.copy_steps - deferred_prefetches(schedule, groups)), *schedule.segment_starts}
+    cuts = {0, *schedule.copy_steps, *schedule.segment_starts}
     if cut.min_segments > 1:
         cuts |= {n * i // cut.min_segments for i in range(cut.min_segments)}
     hard = frozenset(cut.cut_before) | {bound for group in groups for bound in group}

@@ -26,8 +26,8 @@ memory of the input they alias (``schedule.homes``). Where the donated state is 
 budget, inputs fetched again and again are kept on the device from the start where that moves
 fewer bytes (``homes.resident_candidates``). Where the state is (``Program.state_bytes``: an init's
 results count too), the step is also planned in ranges of steps (``schedule.ranges``), taken where
-its fewer stops of the executor cost less than its copies; where its layers are known, by layer:
-each layer in ranges, its copies issued where its segments begin, its parameters held through it.
+its fewer stops of the executor cost less than its copies. (Where a step's layers are known, it is
+planned by layer instead: ``schedule.layer_plan``, which plans what lies outside them with this.)
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -44,7 +43,7 @@ from oocjax.schedule.gc_paused import gc_paused
 from oocjax.schedule.homes import resident_candidates, settle_homes
 from oocjax.schedule.moves import Move, Offload, Prefetch, Schedule, keep_all
 from oocjax.schedule.program import Program, held_for_whole_step
-from oocjax.schedule.ranges import cheapest_in_ranges, layer_of_steps
+from oocjax.schedule.ranges import cheapest_in_ranges
 from oocjax.schedule.simulate import simulate
 from oocjax.schedule.units import MiB
 
@@ -67,7 +66,6 @@ def plan_window(
     *,
     window_bytes: int | None = None,
     min_offload_bytes: int = MiB,
-    layers: Sequence[tuple[int, int]] = (),
     in_ranges: bool = True,
     residents: bool = True,
 ) -> Schedule:
@@ -78,10 +76,8 @@ def plan_window(
       budget_bytes: device bytes the step may use at any time.
       window_bytes: bytes of distinct buffers the look-ahead may cover; default 1.5x the budget.
       min_offload_bytes: buffers smaller than this never move.
-      layers: the steps ``(start, stop)`` of each run of a layer: given, the step is planned by
-        layer (``ranges.cheapest_in_ranges``), each layer's steps as ranges planned as one step.
-      in_ranges: plan in ranges (by layer, or of shares of the budget where the state is larger
-        than it); False: the plan step by step alone.
+      in_ranges: plan in ranges of shares of the budget where the state is larger than it
+        (``ranges.cheapest_in_ranges``); False: the plan step by step alone.
       residents: where the state is larger than the budget, also try plans that keep some inputs
         on the device (``homes.resident_candidates``); False: the window plan alone.
 
@@ -105,18 +101,16 @@ def plan_window(
             return keep_all(program, budget_bytes=budget_bytes, strategy="window")
         check_feasible(program, budget_bytes, min_offload_bytes)
         check_window(program, window)
-        groups = layer_of_steps(len(program.steps), layers)
-        step_by_step = _plan_steps(program, budget_bytes, window, min_offload_bytes, groups, residents)
-        if not in_ranges or (program.state_bytes <= budget_bytes and not layers):
+        step_by_step = _plan_steps(program, budget_bytes, window, min_offload_bytes, residents)
+        if not in_ranges or program.state_bytes <= budget_bytes:
             return step_by_step
         plan = functools.partial(_plan_checked, window=window, min_offload_bytes=min_offload_bytes, residents=residents)
-        return cheapest_in_ranges(program, budget_bytes, plan, step_by_step, layers)
+        return cheapest_in_ranges(program, budget_bytes, plan, step_by_step)
 
 
 def _plan_checked(
     program: Program,
     budget_bytes: int,
-    groups: Sequence[int] = (),
     *,
     window: int,
     min_offload_bytes: int,
@@ -124,17 +118,15 @@ def _plan_checked(
 ) -> Schedule:
     check_feasible(program, budget_bytes, min_offload_bytes)
     check_window(program, window)
-    return _plan_steps(program, budget_bytes, window, min_offload_bytes, groups, residents)
+    return _plan_steps(program, budget_bytes, window, min_offload_bytes, residents)
 
 
-def _plan_steps(
-    program: Program, budget_bytes: int, window: int, min_offload_bytes: int, groups: Sequence[int], residents: bool
-) -> Schedule:
+def _plan_steps(program: Program, budget_bytes: int, window: int, min_offload_bytes: int, residents: bool) -> Schedule:
     """The window plan, homes settled; where the donated state is larger than the budget, planned
     again with inputs kept on the device (``resident_candidates``), the one that moves fewest
     bytes: the program is the same in each, so the fewest bytes is the shortest link time, and on
-    a tie the plan with nothing kept by choice. ``groups``: per step, its layer (-1: none)."""
-    plan = functools.partial(_WindowPlanner, program, budget_bytes, window, min_offload_bytes, groups=groups)
+    a tie the plan with nothing kept by choice."""
+    plan = functools.partial(_WindowPlanner, program, budget_bytes, window, min_offload_bytes)
     plans = [settle_homes(program, plan().plan())]
     for resident in resident_candidates(program, plans[0], budget_bytes, min_offload_bytes) if residents else ():
         plans.append(settle_homes(program, plan(resident).plan()))
@@ -146,7 +138,7 @@ class _WindowPlanner:
     passes until one gets through; a pass that finds no room for a step forbids some prefetches
     (``backtrack``) and the next starts over."""
 
-    def __init__(self, program: Program, budget: int, window: int, min_offload: int, resident=frozenset(), groups=()):
+    def __init__(self, program: Program, budget: int, window: int, min_offload: int, resident=frozenset()):
         self.program, self.budget, self.window = program, budget, window
         buffers = program.buffers
         self.nbytes = [b.nbytes for b in buffers]
@@ -168,16 +160,8 @@ class _WindowPlanner:
         self.access_buffer, self.access_step = access_buffer, access_step
         self.step_end = list(accumulate(len(step.reads) + len(step.writes) for step in program.steps))
         self.next_access = _next_access(access_buffer, len(buffers))
-        # Per access, whether the buffer's next one is in the same layer (``groups``): then held, not dropped.
-        group = [*groups, -1] if groups else [-1] * (n + 1)
-        self.same_layer = [
-            nx >= 0 and group[access_step[i]] >= 0 and group[access_step[nx]] == group[access_step[i]]
-            for i, nx in enumerate(self.next_access)
-        ]
-        self.stopper, self.backtracks = (
-            [0] * len(access_buffer),
-            0,
-        )  # access i may not enter the window before step stopper[i]
+        self.stopper = [0] * len(access_buffer)  # access i may not enter the window before step stopper[i]
+        self.backtracks = 0
 
     def plan(self) -> Schedule:
         """Passes until one gets through, each after a backtrack resumed (``_Pass.rewind``): the
@@ -230,7 +214,6 @@ class _PlannedOffload:
     buffer: int
     after_step: int
     done_before_step: int | None = None
-    dropped: bool = False  # a copy held past its reads (no move): waiting for it releases it
 
 
 class _Pass:
@@ -362,14 +345,11 @@ class _Pass:
         self.head, self.in_window = head, in_window
 
     def _wait_oldest(self, k: int) -> None:
-        """Waits, before step k, for the oldest offload in flight: its device copy is released. A
-        copy held for the rest of its layer goes only where no offload is in flight: it is read
-        again soon, and letting it go costs a fetch."""
+        """Waits, before step k, for the oldest offload in flight: its device copy is released."""
         pending, open_offload = self.pending, self.open_offload
         while open_offload.get(pending[0].buffer) is not pending[0]:  # cancelled
             pending.popleft()
-        offload = next((m for m in pending if not m.dropped and open_offload.get(m.buffer) is m), pending[0])
-        pending.remove(offload)
+        offload = pending.popleft()
         b = offload.buffer
         del self.open_offload[b]
         offload.done_before_step = k
@@ -416,12 +396,6 @@ class _Pass:
                     state[b] = _CLEARED
             elif pinned[b]:
                 pass
-            elif host_copy[b] and planner.same_layer[i]:  # held for its layer until memory is needed
-                held = _PlannedOffload(buffer=b, after_step=k, dropped=True)
-                self.pending.append(held)
-                self.open_offload[b] = held
-                state[b] = _OUT
-                outgoing += nbytes[b]
             elif host_copy[b]:  # drop the device copy: the host one is still valid
                 device -= nbytes[b]
                 state[b] = _HOST
@@ -443,7 +417,7 @@ class _Pass:
         for m in self.moves:
             if isinstance(m, Prefetch):
                 moves.append(m)
-            elif m.done_before_step is not None and not m.dropped:  # else cancelled, in flight at the end, or held
+            elif m.done_before_step is not None:  # else cancelled, or in flight at the end
                 moves.append(Offload(buffer=m.buffer, after_step=m.after_step, done_before_step=m.done_before_step))
         return Schedule(
             strategy="window",

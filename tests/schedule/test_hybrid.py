@@ -157,25 +157,18 @@ def test_on_a_layered_step_recomputation_fits_where_swap_only_moves():
     assert not off.rewrite.recomputed and off.schedule == chosen.swap_only
 
 
-def test_a_plan_moving_about_as_many_bytes_is_taken_where_it_is_faster_and_one_moving_many_more_only_by_the_margin():
+def test_a_plan_moving_more_bytes_is_taken_only_where_it_is_faster_by_more_than_the_margin():
     from types import SimpleNamespace
 
-    from oocjax.schedule.hybrid import NEGLIGIBLE_MOVES, _steadiest
+    from oocjax.schedule.hybrid import _chosen
 
-    def candidate(moved_bytes, time_s, alike=True):
-        schedule = SimpleNamespace(moves=(), host_inputs=())
-        return SimpleNamespace(moved_bytes=moved_bytes, time_s=time_s, schedule=schedule, alike=alike)
+    def candidate(moved_bytes, time_s):
+        return SimpleNamespace(
+            moved_bytes=moved_bytes, time_s=time_s, schedule=SimpleNamespace(moves=(), host_inputs=())
+        )
 
-    budget = 64 * MiB
-    fewer, close_and_faster = candidate(8 * MiB, 0.0279), candidate(9 * MiB, 0.0269)  # 12.5% more
-    assert _steadiest([fewer, close_and_faster], budget) is close_and_faster
-    unlike = candidate(9 * MiB, 0.0269, alike=False)  # its layers would compile programs of their own
-    assert _steadiest([fewer, unlike], budget) is fewer
-    many_more = candidate(4 * 8 * MiB, 0.0269)  # 4% faster: not enough to move four times as much
-    assert _steadiest([fewer, many_more], budget) is fewer
+    fewer, many_more = candidate(8 * MiB, 0.0279), candidate(4 * 8 * MiB, 0.0269)  # 4% faster: not enough
+    assert _chosen([fewer, many_more], "auto") is fewer
     much_faster = candidate(4 * 8 * MiB, 0.0279 / (1 + MOVE_MARGIN) - 1e-6)
-    assert _steadiest([fewer, much_faster], budget) is much_faster
-    # A plan that moves nothing is given up for one moving a negligible share of the budget only.
-    nothing, a_little = candidate(0, 0.03), candidate(int(NEGLIGIBLE_MOVES * budget) - 1, 0.029)
-    assert _steadiest([nothing, a_little], budget) is a_little
-    assert _steadiest([nothing, candidate(int(NEGLIGIBLE_MOVES * budget) + 1, 0.029)], budget) is nothing
+    assert _chosen([fewer, much_faster], "auto") is much_faster
+    assert _chosen([fewer, many_more], "always") is many_more  # the recomputing plan, last

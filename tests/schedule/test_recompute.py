@@ -23,7 +23,7 @@ from oocjax.schedule import (
 )
 from oocjax.schedule.bounds import pressure_bound
 from oocjax.schedule.recompute import choose_recompute
-from oocjax.schedule.rewrite import Rewrite, hoisted, recompute_program, runs_after
+from oocjax.schedule.rewrite import Rewrite, recompute_program
 from oocjax.schedule.synthetic import layered_training_step
 from tests.support.programs import MiB, mlp_chain, programs
 
@@ -100,44 +100,6 @@ def test_every_rewrite_is_a_valid_program_that_computes_the_same_values(request)
     rewrite = recompute_program(program, targets, recomputable=recomputable, across=across)
     check_rewrite(program, rewrite, recomputable)
     assert set(rewrite.recomputed) | {s.buffer for s in rewrite.skipped} == set(targets)
-
-
-@given(rewrite_requests(), st.data())
-def test_copies_of_work_outside_the_layers_run_before_the_layer_they_serve_and_compute_the_same(request, data):
-    program, targets, recomputable, across = request
-    rewrite = recompute_program(program, targets, recomputable=recomputable, across=across)
-    cuts = sorted(data.draw(st.sets(st.integers(0, len(program.steps)), max_size=6)))
-    runs = [(a, y, "layer") for a, y in pairwise(cuts) if data.draw(st.booleans())]  # gaps between
-    moved = hoisted(rewrite, runs)
-    check_rewrite(program, moved, recomputable)
-    assert sorted(moved.origin_step) == sorted(rewrite.origin_step) and moved.recomputed == rewrite.recomputed
-    inside = {k for a, y, _ in runs for k in range(a, y)}
-    copies = set(moved.copied_steps)
-    for start, stop, _ in runs_after(moved, runs):  # what a layer runs: its own work, or copies of it
-        assert all(k not in copies or moved.origin_step[k] in inside for k in range(start, stop)[:1])
-    if moved is not rewrite:
-        assert moved.program.steps != rewrite.program.steps
-
-
-def test_a_copy_of_work_outside_the_layers_runs_before_the_layer_unless_it_reads_what_the_layer_makes():
-    sizes = {"x": 1, "a": 8, "b": 1, "c": 8, "d": 1, "y": 1}
-    ops = [("f", ["x"], ["a"]), ("g", ["x", "a"], ["b"]), ("h", ["b"], ["c"]), ("k", ["a", "c"], ["d"]),
-           ("m", ["d"], ["y"])]  # fmt: skip
-    program = Program.from_ops(ops, sizes, inputs=["x"], outputs=["y"])
-    rewrite = recompute_program(program, [1], recomputable=lambda s: True, across=2)  # f copied before k
-    layer = [(1, 4, "layer")]
-    moved = hoisted(rewrite, layer)
-    assert rewrite.origin_step == (0, 1, 2, 0, 3, 4) and moved.origin_step == (0, 0, 1, 2, 3, 4)
-    assert runs_after(moved, layer) == ((2, 5, "layer"),)  # the layer's own steps, as its siblings'
-    check_rewrite(program, moved, lambda s: True)
-
-    # f reads c, made by the first layer and recomputed inside the second: f's copy must follow it.
-    ops = [("g", ["x"], ["b"]), ("h", ["b"], ["c"]), ("f", ["c"], ["a"]), ("k", ["x", "a"], ["d"]),
-           ("m", ["d"], ["e"]), ("n", ["a", "e", "c"], ["y"])]  # fmt: skip
-    program = Program.from_ops(ops, sizes | {"e": 1}, inputs=["x"], outputs=["y"])
-    rewrite = recompute_program(program, [1, 3], recomputable=lambda s: True, across=4)  # a and c
-    assert rewrite.origin_step == (0, 1, 2, 3, 4, 1, 2, 5)
-    assert hoisted(rewrite, [(0, 2, "layer"), (3, 6, "layer")]) is rewrite
 
 
 @given(rewrite_requests())

@@ -14,6 +14,9 @@ from oocjax.transforms.execute import observe_segments
 from tests.support import zoo
 
 FRACTIONS = {"moves nothing": 1.0, "moves values": 0.35}
+# Planned by layer, the transformer keeps its state on the device at 35% (its activations move); at
+# 30% its optimizer state streams, as the test of the second call needs.
+STATE_MOVES = {"transformer_dropout_adamw": 0.3}
 
 
 @functools.cache
@@ -33,7 +36,10 @@ def alive_leaves(tree) -> list[str]:
 
 def donating_step(name: str, budget_name: str):
     case = zoo.case(name)
-    budget = int(in_core_estimate(name) * FRACTIONS[budget_name])
+    fraction = (
+        STATE_MOVES.get(name, FRACTIONS[budget_name]) if budget_name == "moves values" else FRACTIONS[budget_name]
+    )
+    budget = int(in_core_estimate(name) * fraction)
     step = ooc_jit(case.step, budget=budget, donate_argnums=0, recompute="off", min_offload_bytes=4096)
     plan = step.plan(case.state, case.batches[0])
     assert bool(plan.moved_bytes) == (budget_name == "moves values"), plan  # the premise of the budget's name

@@ -185,35 +185,6 @@ def test_each_layers_update_runs_in_its_backward_layers_program_and_trains_as_ja
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=3e-4)
 
 
-# Layers named under a parent and layers found by structure; Flax's auto names plan as the named
-# ones (10 s more of CI for no other path). The plain decoder's plan keeps the bottom layer's input
-# for its backward pass: nothing to donate.
-@pytest.mark.parametrize("way", ["linen_named", "nnx"])
-def test_the_bottom_layer_donating_its_input_runs_the_program_of_the_layers_above_it(way):
-    """Where the plan recomputes the bottom layer's input (an embedding lookup) rather than keep
-    it (the selector's plan, taken first under ``recompute="always"``), the bottom layer's segment
-    donates it while the layers above keep theirs: alike equations, other donation. They run one
-    compiled program where it fits the budget there, not two (planned with the published CPU
-    rates, as every plan is)."""
-    from oocjax import ooc_jit
-    from oocjax.transforms.compile import segment_key
-
-    step, state, batch = decoder_case(way, DEPTH)
-    budget = int(ooc_jit(step, budget=2**62).plan(state, batch).baseline_peak_bytes * 0.3)
-    wrapped = ooc_jit(step, budget=budget, donate_argnums=0, min_offload_bytes=4096, recompute="always")
-    plan = wrapped.plan(state, batch)
-
-    (planner,) = wrapped._planners.values()
-    flat, segments, programs = planner.built.flat, plan.segments, planner.built.programs
-    forward = [a for a, _, kind in plan.layers if " " not in kind]
-    layers = [k for k, s in enumerate(segments) if s.start in forward]
-    assert len(layers) == DEPTH and len({segment_key(flat, segments[k]) for k in layers}) == 1
-    bottom, above = layers[0], layers[1:]
-    assert segments[bottom].donated and not any(segments[k].donated for k in above)
-    assert len({id(programs[k]) for k in layers}) == 1
-    assert plan.executed_peak_bytes <= budget
-
-
 @pytest.mark.parametrize("way", ["linen_auto", "linen_named", "nnx"])
 def test_the_backward_layers_run_one_program_the_top_and_bottom_ones_included(way):
     """Backward layers alike run one compiled program each, and so do the updates, whichever way the

@@ -1,0 +1,611 @@
+"""Plans by layer: one policy per step for what each layer's backward reads of its forward, for its
+parameters and for its optimizer state, with every copy issued where a unit of the layers begins.
+
+Where a step's layers are known (``transforms.layers``: per layer its forward run, its backward run
+and, where updates follow the backward pass, its update run), the step is cut into *units*: each run
+as few ranges of steps as each fit a share of the budget (``ranges.ranges_within``), each step
+outside the layers its own. A policy (``LayerPolicy``) then says every copy of a layer's values, on
+the program of units (``ranges.coarse_program``), where a unit is one step:
+
+* **activations**, what a layer's backward reads of its forward: ``kept``; ``recomputed`` from the
+  layer's input (per-block remat: ``schedule.blocks``); ``offloaded`` (copied to host after their
+  last forward read, fetched back ``ahead`` units before their backward read); or ``input
+  offloaded`` (recomputed, and the layer's input offloaded). The last ``relaxed`` layers, whose
+  backward comes first, take the next cheaper of these (``ACTIVATIONS``), so that memory left over is
+  used, not wasted.
+* **parameters**: ``kept`` on the device, or ``fetched`` ``ahead`` units before each pass that reads
+  them (their host copy is valid: the device copy is dropped after the pass, not copied out).
+* **optimizer state**: ``kept``, or ``streamed``: fetched ``ahead`` units before the update and the
+  new state copied back as soon as it is made, its memory free ``ahead`` units later.
+
+The window planner (``schedule.window``) plans what lies outside the layers (the embedding, the head,
+the loss) on the same units, around the bytes the layers' values hold there, and the plan is put
+back on the steps (``ranges.refined``): its segments are the units.
+
+``plan_layers`` tries a small set of policies, from the fewest copies up, each with as many layers
+relaxed as fit, and takes the fastest by the timed simulation (``cost.simulate_time``) unless one
+that moves fewer bytes is within ``MOVE_MARGIN`` of it: the model's times err by more, and the choice then
+holds when the rates it is made with move (``LayerPlan.alternatives`` keeps what else was timed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, pairwise
+from typing import NamedTuple
+
+from oocjax.errors import BudgetInfeasibleError
+from oocjax.schedule.blocks import block_targets
+from oocjax.schedule.cost import simulate_time
+from oocjax.schedule.moves import Offload, Prefetch, Schedule, move_order
+from oocjax.schedule.profiles import DeviceProfile, resolve_profile
+from oocjax.schedule.program import Program
+from oocjax.schedule.ranges import BOUNDARY_BYTES, Range, coarse_program, refined
+from oocjax.schedule.rewrite import Rewrite, identity_rewrite, recompute_program, runs_after
+from oocjax.schedule.segments import cut_segments
+from oocjax.schedule.simulate import replay
+from oocjax.schedule.units import MiB, format_bytes
+from oocjax.schedule.window import plan_window
+
+
+class _How(NamedTuple):
+    """An activation policy: what its relaxed layers take (the next cheaper in time), whether it
+    moves what its layers' backward reads, what it recomputes their insides from (their input, or
+    their input and their narrowest point in the middle, ``blocks.narrowest``: a transformer
+    block's residual stream between its attention and its MLP, so that each half is recomputed for
+    its own backward alone; "" for nothing), and what a plan says of it."""
+
+    relaxed: str
+    offloads: bool
+    recomputed_from: str
+    said: str
+
+
+ACTIVATIONS = {
+    "kept": _How("kept", False, "", "what its backward reads kept from its forward"),
+    "recomputed": _How("kept", False, "input", "recomputed from its input (per-block remat)"),
+    "recomputed by halves": _How(
+        "kept", False, "halves", "recomputed from its input and its midpoint, each half for its own backward"
+    ),
+    "input offloaded": _How("recomputed", True, "input", "recomputed from its input, the input offloaded"),
+    "halves offloaded": _How(
+        "recomputed by halves", True, "halves", "recomputed by halves, the input and the midpoint offloaded"
+    ),
+    "offloaded": _How("kept", True, "", "what its backward reads offloaded after its forward and fetched back"),
+}
+# A run of a layer is cut into at most this many units: more segments a layer cost more than they
+# save (each a launch, and alike layers' pieces only alike where their cuts are), and where a layer
+# needs more, the step is planned one operation at a time (``schedule.hybrid``).
+MOST_PIECES = 4
+# A plan that moves more bytes replaces one that moves fewer only when it is faster by more than
+# this share: the model's step times err by more (the committed H200 run measured a step 2.7-fold
+# under its simulation), and a plan that moves less depends less on the link's rate.
+MOVE_MARGIN = 0.15
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One layer: its kind and its runs of steps, ``(start, stop)`` per phase that has one
+    (forward, backward, update), in order."""
+
+    kind: str
+    runs: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerPolicy:
+    """How every layer is planned (the module docstring says each choice)."""
+
+    activations: str = "kept"
+    relaxed: int = 0
+    parameters: str = "kept"
+    state: str = "kept"
+    ahead: int = 1
+
+    def activation(self, i: int, count: int) -> str:
+        """What layer ``i`` of ``count`` (in forward order) does with its activations."""
+        return ACTIVATIONS[self.activations].relaxed if i >= count - self.relaxed else self.activations
+
+    def holding_less(self, count: int) -> list[LayerPolicy]:
+        """Policies that hold less on the device with the same layers recomputed (the same
+        rewrite), fewest copies more first: fewer layers relaxed where relaxed layers only move
+        less, or every layer's input offloaded but the top ones'."""
+        if ACTIVATIONS[self.activations].offloads:
+            return [dataclasses.replace(self, relaxed=r) for r in range(self.relaxed - 1, -1, -1)]
+        offloaded = next(
+            (a for a, how in ACTIVATIONS.items() if how.offloads and how.relaxed == self.activations), None
+        )
+        if self.relaxed or offloaded is None:
+            return []
+        return [dataclasses.replace(self, activations=offloaded, relaxed=r) for r in range(count - 1, -1, -1)]
+
+    def describe(self, kinds: Sequence[str]) -> list[str]:
+        """One line per kind of layer and what its activations do (``kinds``: per layer, in forward
+        order): ``layers 0-19 (Block): recomputed from its input, the input offloaded; parameters
+        fetched for each pass; optimizer state streamed; copies 1 unit ahead``."""
+        rest = f"parameters {'fetched for each pass' if self.parameters == 'fetched' else 'kept on the device'}; "
+        rest += (
+            f"optimizer state {'streamed (fetched once, sent back at once)' if self.state == 'streamed' else 'kept'}"
+        )
+        if self.parameters == "fetched" or self.state == "streamed" or ACTIVATIONS[self.activations].offloads:
+            rest += f"; copies {self.ahead} unit{'s' * (self.ahead > 1)} ahead" if self.ahead else "; copies where read"
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, kind in enumerate(kinds):
+            groups.setdefault((kind, self.activation(i, len(kinds))), []).append(i)
+        return [
+            f"{_numbered(numbers)} ({kind}): {ACTIVATIONS[how].said}; {rest}" for (kind, how), numbers in groups.items()
+        ]
+
+
+def _numbered(numbers: Sequence[int]) -> str:
+    """``layers 0-4, 6-10`` for those numbers (ascending)."""
+    spans: list[list[int]] = []
+    for i in numbers:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    said = ", ".join(str(a) if a == y else f"{a}-{y}" for a, y in spans)
+    return f"layer {said}" if len(numbers) == 1 else f"layers {said}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerPlan:
+    """The plan ``plan_layers`` chose: its policy, the rewrite it runs (the identity where nothing is
+    recomputed), its schedule on ``rewrite.program``, its simulated step time, and per other policy
+    timed its description, step time and bytes moved (``alternatives``)."""
+
+    policy: LayerPolicy
+    rewrite: Rewrite
+    schedule: Schedule
+    step_time_s: float
+    layers: tuple[Layer, ...]
+    alternatives: tuple[tuple[LayerPolicy, float, int], ...] = ()
+
+    def describe(self) -> list[str]:
+        """The policy, one line per kind of layer (``LayerPolicy.describe``)."""
+        return self.policy.describe([layer.kind for layer in self.layers])
+
+    def why(self) -> list[str]:
+        """One line per other policy timed: what it does, its step time and bytes moved, and why it
+        was not taken."""
+        moved = self.schedule.moved_bytes(self.rewrite.program)
+        lines = []
+        for policy, time_s, their_bytes in self.alternatives:
+            if time_s >= self.step_time_s:
+                reason = "slower"
+            elif their_bytes > moved:
+                reason = f"faster by less than {MOVE_MARGIN:.0%}, moving more: the model errs by more"
+            else:
+                reason = "faster, but moving no fewer bytes"  # not taken only by ties in the rule
+            lines.append(
+                f"{policy.activations} ({policy.relaxed} layers relaxed), parameters {policy.parameters}, state "
+                f"{policy.state}: {time_s * 1e3:.4g} ms, {format_bytes(their_bytes)} moved: {reason}"
+            )
+        return lines
+
+
+def layers_of(program: Program, runs: Sequence[tuple[int, int, str]]) -> tuple[Layer, ...]:
+    """The layers of ``runs`` (``transforms.layers``): each forward run with the backward run and
+    the update run that read the arguments it reads (its parameters), the latest forward first (the
+    backward pass runs the layers in reverse). Runs left unpaired are no layer's."""
+    reads = [
+        {b for step in program.steps[a:y] for b in step.reads if program.buffers[b].kind == "input"} for a, y, _ in runs
+    ]
+    forward = [j for j, (_, _, kind) in enumerate(runs) if not kind.startswith(("transpose ", "update "))]
+    paired: dict[int, list[int]] = {j: [j] for j in forward}
+    for prefix in ("transpose ", "update "):
+        for j in (j for j, run in enumerate(runs) if run[2].startswith(prefix)):
+            free = [f for f in forward if len(paired[f]) == 1 + (prefix == "update ") and reads[f] & reads[j]]
+            if free:
+                paired[free[-1]].append(j)
+    return tuple(Layer(runs[f][2], tuple(runs[j][:2] for j in paired[f])) for f in forward if len(paired[f]) > 1)
+
+
+def layer_rewrite(program: Program, layers: Sequence[Layer], policy: LayerPolicy, recomputable: Callable) -> Rewrite:
+    """The program with the insides of the layers ``policy`` recomputes recomputed for their
+    backward pass (``blocks.block_targets``: per-block remat)."""
+    how = _key(policy, len(layers))
+    if not any(how):
+        return identity_rewrite(program)
+    backward_start = min(layer.runs[1][0] for layer in layers)
+    targets = []
+    for midpoint in (False, True):
+        blocks = [layer.runs[0] for layer, h in zip(layers, how) if h == ("halves" if midpoint else "input")]
+        targets += block_targets(program, blocks, backward_start, midpoint=midpoint)
+    targets = dict.fromkeys(sorted(targets), backward_start)
+    return recompute_program(program, targets, recomputable=recomputable, across=targets)
+
+
+def layers_after(rewrite: Rewrite, layers: Sequence[Layer]) -> tuple[Layer, ...]:
+    """``layers`` as they lie in the rewritten program (``rewrite.runs_after``)."""
+    runs = runs_after(rewrite, [(a, y, "") for layer in layers for a, y in layer.runs])
+    found, i = [], 0
+    for layer in layers:
+        found.append(Layer(layer.kind, tuple((a, y) for a, y, _ in runs[i : i + len(layer.runs)])))
+        i += len(layer.runs)
+    return tuple(found)
+
+
+def layer_schedule(
+    program: Program,
+    layers: Sequence[Layer],
+    policy: LayerPolicy,
+    budget_bytes: int,
+    *,
+    window_bytes: int | None = None,
+    min_offload_bytes: int = MiB,
+) -> Schedule:
+    """The plan of ``program`` (already rewritten for ``policy``) by its ``layers``: the layers'
+    copies as ``policy`` says, the rest planned by the window planner around them; its segments
+    start where the units do. Each run of a layer is one unit at first; where a unit does not fit
+    with what the layers hold there, every run of its kind and phase is cut where that unit holds
+    the fewest bytes in its middle half (``_narrowest``), alike layers alike, and the step planned
+    again, into ``MOST_PIECES`` at most. Raises ``BudgetInfeasibleError`` where a unit does not fit
+    that is outside the layers or cannot be cut further, or what is held across it alone is over
+    the budget."""
+    window = dict(window_bytes=window_bytes, min_offload_bytes=min_offload_bytes)
+    run_of: list[tuple | None] = [None] * len(program.steps)  # per step: its run's kind, phase and start
+    for layer in layers:
+        for phase, (a, y) in enumerate(layer.runs):
+            run_of[a:y] = [(layer.kind, phase, a)] * (y - a)
+    edges = {k for k in range(len(program.steps) + 1) if k in (0, len(program.steps)) or None in run_of[k - 1 : k + 1]}
+    bounds = edges | {a for layer in layers for run in layer.runs for a in run}
+    cuts: dict[tuple[str, int], set[int]] = {}  # per kind and phase of run, where in its runs they are cut
+
+    def cut(unit: Range) -> bool:  # every run alike cut where this unit of it holds the fewest bytes
+        kind, phase, start = run_of[unit.start] or (None, None, None)
+        if kind is None or len(cuts.get((kind, phase), ())) + 1 >= MOST_PIECES or unit.stop - unit.start == 1:
+            return False
+        cuts.setdefault((kind, phase), set()).add(_narrowest(program, unit.start, unit.stop) - start)
+        return True
+
+    while True:
+        runs = (run for layer in layers for run in layer.runs)
+        pieces = {a + d for a, y in runs for d in cuts.get(run_of[a][:2], ()) if d < y - a}
+        ranges = _whole_units(program, frozenset(bounds | pieces))
+        units = _UnitPlan.of(program, ranges, layers, policy, min_offload_bytes)
+        try:
+            others = plan_window(units.rest, budget_bytes, **window, in_ranges=False, residents=False)
+        except BudgetInfeasibleError as error:
+            unit, step = ranges[error.step], units.coarse.steps[error.step]
+            need = step.transient_bytes + sum(units.coarse.buffers[b].nbytes for b in (*step.reads, *step.writes))
+            if error.required_bytes - need >= budget_bytes or not cut(unit):  # what is held across it alone
+                raise
+            continue
+        schedule = units.joined(program, others, ranges, "layers in pieces" if cuts else "layers")
+        # A unit that fits as one step of the units may still not as a segment: then cut alike too.
+        starts = {r.start for r in ranges}
+        split = next(
+            (s for s in cut_segments(program, schedule, budget_bytes=budget_bytes) if s.start not in starts), None
+        )
+        if split is None or not cut(next(r for r in ranges if r.start < split.start < r.stop)):
+            return schedule
+
+
+def _narrowest(program: Program, start: int, stop: int) -> int:
+    """The step in the middle half of steps ``start .. stop - 1`` (after the first) where the fewest
+    bytes are in use with nothing moved, the nearest the middle on a tie: where to cut them."""
+    live, middle = program.in_core_bytes, (start + stop) / 2
+    lo, hi = max(start + 1, start + (stop - start) // 4), max(start + 1, start + 3 * (stop - start) // 4)
+    return min(range(lo, hi + 1), key=lambda k: (live[k], abs(k - middle)))
+
+
+def _whole_units(program: Program, bounds: frozenset[int]) -> list[Range]:
+    """The ranges between consecutive ``bounds``, each with its inner peak (``ranges.Range``): the
+    scratch of its steps and the values it makes and frees inside, at their most."""
+    starts = sorted(bounds)
+    unit = [0] * len(program.steps)
+    for i, (a, y) in enumerate(pairwise(starts)):
+        unit[a:y] = [i] * (y - a)
+    inside = [0] * (len(program.steps) + 1)
+    uses = program.uses
+    for b, buffer in enumerate(program.buffers):
+        if buffer.kind == "computed" and not buffer.is_output:
+            made = uses.defined_at[b]
+            freed = uses.read_at[b][-1] if uses.read_at[b] else made
+            if unit[made] == unit[freed]:
+                inside[made] += buffer.nbytes
+                inside[freed + 1] -= buffer.nbytes
+    live = list(accumulate(inside))
+    return [
+        Range(a, y, max(live[k] + program.steps[k].transient_bytes for k in range(a, y))) for a, y in pairwise(starts)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class _UnitPlan:
+    """The layers' copies on a program of units: the program of units (``ranges.coarse_program``)
+    and its buffers' ids in the program, the layers' copies there and the buffers they move or keep
+    (the layers' own), and the program the window planner plans the rest on: the layers' own
+    values of no size, what they hold on the device added to each unit's scratch."""
+
+    coarse: Program
+    ids: tuple[int, ...]
+    moves: Schedule
+    owned: frozenset[int]
+    rest: Program
+
+    @classmethod
+    def of(cls, program: Program, ranges, layers: Sequence[Layer], policy: LayerPolicy, min_offload_bytes: int):
+        coarse, ids = coarse_program(program, ranges)
+        starts = {r.start: u for u, r in enumerate(ranges)}
+        where = {}  # unit -> (layer, phase)
+        for i, layer in enumerate(layers):
+            for phase, (a, y) in enumerate(layer.runs):
+                where.update((u, (i, phase)) for u in range(starts[a], starts.get(y, len(ranges))))
+        moves, owned = _layer_moves(coarse, where, policy, len(layers), min_offload_bytes)
+        held = [0] * (len(ranges) + 1)  # what the layers' values hold on the device per unit
+        for b in owned:
+            for stay in moves.device_stays(coarse, b):
+                held[max(stay.start, 0)] += coarse.buffers[b].nbytes
+                held[min(stay.end, len(ranges) - 1) + 1] -= coarse.buffers[b].nbytes
+        # New state written in the unit that last reads the old, given up to it: in the old one's place.
+        uses = coarse.uses
+        for old, new in coarse.replaced_by.items():
+            made = uses.defined_at[new]
+            if new in owned and old in owned and uses.read_at[old] and uses.read_at[old][-1] == made:
+                held[made] -= coarse.buffers[new].nbytes
+                held[made + 1] += coarse.buffers[new].nbytes
+        rest = Program(
+            steps=tuple(
+                dataclasses.replace(s, transient_bytes=s.transient_bytes + h)
+                for s, h in zip(coarse.steps, accumulate(held))
+            ),
+            buffers=tuple(dataclasses.replace(x, nbytes=0) if b in owned else x for b, x in enumerate(coarse.buffers)),
+        )
+        return cls(coarse, ids, moves, frozenset(owned), rest)
+
+    def joined(self, program: Program, others: Schedule, ranges, strategy: str) -> Schedule:
+        """The layers' copies and the rest's (``others``, on ``rest``), put back on the program's steps."""
+        theirs = lambda bs: frozenset(b for b in bs if b not in self.owned)  # noqa: E731
+        moves = [*self.moves.moves, *(m for m in others.moves if m.buffer not in self.owned)]
+        both = Schedule(
+            strategy=strategy,
+            budget_bytes=others.budget_bytes,
+            host_inputs=self.moves.host_inputs | theirs(others.host_inputs),
+            host_outputs=self.moves.host_outputs | theirs(others.host_outputs),
+            moves=tuple(sorted(moves, key=move_order)),
+        )
+        return dataclasses.replace(refined(program, both, ranges, self.ids), strategy=strategy)
+
+
+def _layer_moves(
+    coarse: Program, where: dict[int, tuple[int, int]], policy: LayerPolicy, count: int, min_offload_bytes: int
+) -> tuple[Schedule, set[int]]:
+    """The copies of the layers' own values on the program of units (``where``: per unit of a layer,
+    the layer and its phase), and those values: each read by one layer's units alone (its
+    parameters, its state, what it saves and makes inside), and the new state that replaces them."""
+    uses, ahead, units = coarse.uses, policy.ahead, len(coarse.steps)
+    owned: dict[int, int] = {}
+    for b, buffer in enumerate(coarse.buffers):
+        layer = {where.get(u, (None,))[0] for u in uses.read_at[b]}
+        if len(layer) == 1 and None not in layer and not (buffer.is_output and buffer.aliased_input is None):
+            owned[b] = layer.pop()
+    owned |= {b: owned[x.aliased_input] for b, x in enumerate(coarse.buffers) if x.aliased_input in owned}
+    moves, host_inputs, host_outputs = [], set(), set()
+    for b, i in owned.items():
+        buffer, reads = coarse.buffers[b], uses.read_at[b]
+        if buffer.never_moves(min_offload_bytes) or not reads:
+            continue
+        if buffer.kind == "input":
+            forward = where[reads[0]][1] == 0
+            if (policy.parameters if forward else policy.state) in ("fetched", "streamed"):
+                host_inputs.add(b)
+                last = -1
+                for visit in _visits(reads, where):
+                    moves.append(Prefetch(buffer=b, issue_step=max(visit[0] - ahead, last + 1, 0), use_step=visit[0]))
+                    last = visit[-1]
+        elif ACTIVATIONS[policy.activation(i, count)].offloads:
+            touches = (uses.defined_at[b], *reads)
+            gaps = [(t, u) for t, u in pairwise(touches) if where[u][1] > where.get(t, (i, 0))[1] and u - t > 1]
+            if gaps:
+                out, back = gaps[-1]
+                issue = max(back - ahead, out + 1)
+                moves.append(Offload(buffer=b, after_step=out, done_before_step=min(out + 1 + ahead, issue)))
+                moves.append(Prefetch(buffer=b, issue_step=issue, use_step=back))
+    for b, x in enumerate(coarse.buffers):
+        if x.aliased_input in host_inputs:
+            host_outputs.add(b)
+            last = max((uses.defined_at[b], *uses.read_at[b]))
+            done = last + 1 + ahead
+            moves.append(Offload(buffer=b, after_step=last, done_before_step=done if done < units else None))
+    schedule = Schedule(
+        strategy="layers",
+        budget_bytes=None,
+        host_inputs=frozenset(host_inputs),
+        host_outputs=frozenset(host_outputs),
+        moves=tuple(sorted(moves, key=move_order)),
+    )
+    return schedule, set(owned)
+
+
+def _visits(reads: Sequence[int], where: dict[int, tuple[int, int]]) -> list[list[int]]:
+    """``reads`` (units) grouped by the phase of the layer that reads them: one fetch each."""
+    visits: list[list[int]] = []
+    for u in reads:
+        if visits and where[u][1] == where[visits[-1][-1]][1]:
+            visits[-1].append(u)
+        else:
+            visits.append([u])
+    return visits
+
+
+def plan_layers(
+    program: Program,
+    runs: Sequence[tuple[int, int, str]],
+    budget_bytes: int,
+    *,
+    recomputable: Callable[[int], bool],
+    profile: DeviceProfile | str,
+    recompute: str = "auto",
+    window_bytes: int | None = None,
+    min_offload_bytes: int = MiB,
+) -> LayerPlan | None:
+    """The plan of ``program`` by its layers (``runs``: ``transforms.layers``), the policy chosen as
+    the module docstring says; None where no policy fits the budget (or the runs pair into no layer).
+    ``recompute``: ``"auto"``; ``"off"``: no layer recomputed; ``"always"``: every layer recomputed
+    or its activations kept."""
+    layers = layers_of(program, runs)
+    if not layers:
+        return None
+    recomputing = ("recomputed", "recomputed by halves", "input offloaded", "halves offloaded")
+    activations = {"off": ("offloaded",), "always": recomputing}.get(recompute, (*recomputing, "offloaded"))
+    trials = _Trials(
+        program, layers, budget_bytes, recomputable, resolve_profile(profile), window_bytes, min_offload_bytes
+    )
+    # Each way of holding the parameters and the state with the cheapest activations that fit; the
+    # next way (which moves more) only where the last relaxed no layer or not all, and what it frees
+    # could relax one more: a layer's activations, or nothing fit at all.
+    found: list[_Timed] = []
+    frees = _bytes_freed(program, layers)
+    for parameters, state in (("kept", "kept"), ("kept", "streamed"), ("fetched", "streamed")):
+        kept = found and all(found[-1].policy.activation(i, len(layers)) == "kept" for i in range(len(layers)))
+        if found and (kept or frees[parameters, state] < frees["activations"]):
+            break
+        best = None  # the cheapest activations that fit, up to the first that fits with each run one unit
+        for activation in activations:
+            if best is not None and best.schedule.strategy == "layers":
+                break
+            policies = (
+                LayerPolicy(activations=activation, parameters=parameters, state=state, ahead=a) for a in (1, 0)
+            )
+            plan = next(filter(None, (_most_relaxed(p, len(layers), trials.planned) for p in policies)), None)
+            best = min(filter(None, [best, plan]), key=lambda c: c.cost_s, default=None)
+        found += [best] if best is not None else []
+    if not found:
+        return None
+    chosen = min(found, key=lambda c: (c.moved_bytes, c.cost_s))
+    chosen = min(
+        [c for c in found if c.cost_s * (1 + MOVE_MARGIN) < chosen.cost_s], key=lambda c: c.cost_s, default=chosen
+    )
+    others = tuple((c.policy, c.time_s, c.moved_bytes) for c in found if c is not chosen)
+    plan = dict(policy=chosen.policy, rewrite=chosen.rewrite, schedule=chosen.schedule, step_time_s=chosen.time_s)
+    return LayerPlan(**plan, layers=trials.rewritten(chosen.policy)[1], alternatives=others)
+
+
+@dataclass
+class _Trials:
+    """Policies planned and timed for one step (``planned``), the rewrites they need made once each."""
+
+    program: Program
+    layers: Sequence[Layer]
+    budget_bytes: int
+    recomputable: Callable[[int], bool]
+    profile: DeviceProfile
+    window_bytes: int | None
+    min_offload_bytes: int
+    rewrites: dict = dataclasses.field(default_factory=dict)
+
+    def rewritten(self, policy: LayerPolicy) -> tuple[Rewrite, tuple[Layer, ...]]:
+        """The rewrite ``policy`` needs, and the layers as they lie in it."""
+        key = _key(policy, len(self.layers))
+        if key not in self.rewrites:
+            rewrite = layer_rewrite(self.program, self.layers, policy, self.recomputable)
+            self.rewrites[key] = rewrite, layers_after(rewrite, self.layers)
+        return self.rewrites[key]
+
+    def planned(self, policy: LayerPolicy) -> _Timed | None:
+        """``policy``'s plan and its times, or None where it does not fit."""
+        rewrite, layers = self.rewritten(policy)
+        window = dict(window_bytes=self.window_bytes, min_offload_bytes=self.min_offload_bytes)
+        try:
+            schedule = layer_schedule(rewrite.program, layers, policy, self.budget_bytes, **window)
+        except (BudgetInfeasibleError, ValueError):
+            return None
+        if replay(rewrite.program, schedule)[1]:
+            return None
+        time_s = simulate_time(rewrite.program, schedule, self.profile).step_time_s
+        boundaries_s = (
+            len(schedule.copy_steps | schedule.segment_starts) * BOUNDARY_BYTES / self.profile.h2d_bytes_per_s
+        )
+        return _Timed(policy, rewrite, schedule, time_s, schedule.moved_bytes(rewrite.program), boundaries_s)
+
+
+class _Timed(NamedTuple):
+    """A policy's plan: the rewrite it runs, its schedule, its simulated step time, the bytes it moves."""
+
+    policy: LayerPolicy
+    rewrite: Rewrite
+    schedule: Schedule
+    time_s: float
+    moved_bytes: int
+    boundaries_s: float  # what its segments' boundaries cost the executor (``ranges.BOUNDARY_BYTES``)
+
+    @property
+    def cost_s(self) -> float:
+        return self.time_s + self.boundaries_s
+
+
+def _bytes_freed(program: Program, layers: Sequence[Layer]) -> dict:
+    """What the device holds less of per layer where its optimizer state streams (``("kept",
+    "streamed")``), and where its parameters are fetched too (``("fetched", "streamed")``); and
+    what one layer's backward reads of its forward (``"activations"``: what relaxing a layer holds)."""
+    uses, buffers = program.uses, program.buffers
+    inputs = {"forward": 0, "backward": 0}
+    first = layers[0]
+    for b in {b for a, y in first.runs for step in program.steps[a:y] for b in step.reads}:
+        if buffers[b].kind == "input":
+            read = first.runs[0][0] <= uses.read_at[b][0] < first.runs[0][1]
+            inputs["forward" if read else "backward"] += buffers[b].nbytes
+    (fa, fy), (ba, by) = first.runs[:2]
+    saved = sum(
+        buffer.nbytes
+        for b, buffer in enumerate(buffers)
+        if buffer.kind == "computed"
+        and fa <= (uses.defined_at[b] or 0) < fy
+        and any(ba <= r < by for r in uses.read_at[b])
+    )
+    state = inputs["backward"]
+    return {("kept", "streamed"): state, ("fetched", "streamed"): state + inputs["forward"], "activations": saved}
+
+
+def _key(policy: LayerPolicy, count: int) -> tuple[str, ...]:
+    """Per layer, what ``policy`` recomputes its insides from (``ACTIVATIONS``), or "" for nothing."""
+    return tuple(ACTIVATIONS[policy.activation(i, count)].recomputed_from for i in range(count))
+
+
+def _most_relaxed(policy: LayerPolicy, count: int, planned: Callable) -> tuple | None:
+    """``policy`` with as many layers relaxed as fit (a binary search: relaxing a layer only adds to
+    what the device holds), the fastest of those tried where holding more made the rest move more,
+    and its plan; None where not even none relaxed fits."""
+    first = planned(policy)
+    if first is None:
+        return None
+    lo, hi, tried = 0, count, [first]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        plan = planned(dataclasses.replace(policy, relaxed=mid))
+        lo, hi = (mid, hi) if plan is not None else (lo, mid - 1)
+        tried += [plan] if plan is not None else []
+    return min(tried, key=lambda c: (c.cost_s, -c.policy.relaxed))
+
+
+def replan_layers(
+    program: Program,
+    plan: LayerPlan,
+    budget_bytes: int,
+    *,
+    window_bytes: int | None = None,
+    min_offload_bytes: int = MiB,
+) -> LayerPlan:
+    """``plan`` made again for ``program`` (its program with the scratch its compiled segments
+    measured beyond the estimate): with its policy, or where that no longer fits each run whole, the
+    first that does of those holding less with the same layers recomputed (``holding_less``), else
+    the first that fits at all. Raises ``BudgetInfeasibleError`` where none fits."""
+    window = dict(window_bytes=window_bytes, min_offload_bytes=min_offload_bytes)
+    fitting, error = [], None
+    for policy in (plan.policy, *plan.policy.holding_less(len(plan.layers))):
+        try:
+            fitting.append((policy, layer_schedule(program, plan.layers, policy, budget_bytes, **window)))
+        except BudgetInfeasibleError as raised:
+            error = error or raised
+            continue
+        if fitting[-1][1].strategy == "layers":
+            break
+    if not fitting:
+        raise error
+    policy, schedule = next((f for f in fitting if f[1].strategy == "layers"), fitting[0])
+    return dataclasses.replace(plan, policy=policy, schedule=schedule)
