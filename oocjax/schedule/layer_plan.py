@@ -31,6 +31,7 @@ holds when the rates it is made with move (``LayerPlan.alternatives`` keeps what
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
@@ -188,17 +189,27 @@ class LayerPlan:
 
 
 def layers_of(program: Program, runs: Sequence[tuple[int, int, str]]) -> tuple[Layer, ...]:
-    """The layers of ``runs`` (``transforms.layers``): each forward run with the backward run and
-    the update run that read the arguments it reads (its parameters), the latest forward first (the
-    backward pass runs the layers in reverse). Runs left unpaired are no layer's."""
-    reads = [
-        {b for step in program.steps[a:y] for b in step.reads if program.buffers[b].kind == "input"} for a, y, _ in runs
+    """The layers of ``runs`` (``transforms.layers``): each forward run with a backward run and an
+    update run, where there are any. Where the backward pass has a run of every forward run's kind,
+    in the reverse order, they pair in that order; else by what they read: a backward run with the
+    latest forward run that read or made what it reads (its parameters, what it saved). An update
+    run pairs with the latest backward run that made what it reads (its gradients). Runs left
+    unpaired are no layer's."""
+    reads = [{b for step in program.steps[a:y] for b in step.reads} for a, y, _ in runs]
+    touched = [
+        {b for b in reads[j] if program.buffers[b].kind == "input"} | {w for s in program.steps[a:y] for w in s.writes}
+        for j, (a, y, _) in enumerate(runs)
     ]
     forward = [j for j, (_, _, kind) in enumerate(runs) if not kind.startswith(("transpose ", "update "))]
     paired: dict[int, list[int]] = {j: [j] for j in forward}
-    for prefix in ("transpose ", "update "):
-        for j in (j for j, run in enumerate(runs) if run[2].startswith(prefix)):
-            free = [f for f in forward if len(paired[f]) == 1 + (prefix == "update ") and reads[f] & reads[j]]
+    for phase, prefix in enumerate(("transpose ", "update "), 1):
+        later = [j for j, run in enumerate(runs) if run[2].startswith(prefix)]
+        if phase == 1 and [prefix + runs[f][2] for f in reversed(forward)] == [runs[j][2] for j in later]:
+            for f, j in zip(reversed(forward), later):
+                paired[f].append(j)
+            continue
+        for j in later:
+            free = [f for f in forward if len(paired[f]) == phase and touched[paired[f][-1]] & reads[j]]
             if free:
                 paired[free[-1]].append(j)
     return tuple(Layer(runs[f][2], tuple(runs[j][:2] for j in paired[f])) for f in forward if len(paired[f]) > 1)
@@ -465,15 +476,16 @@ def plan_layers(
         kept = found and all(found[-1].policy.activation(i, len(layers)) == "kept" for i in range(len(layers)))
         if found and (kept or frees[parameters, state] < frees["activations"]):
             break
-        best = None  # the cheapest activations that fit, up to the first that fits with each run one unit
+        best = None  # the first activations that fit with each run one unit, else the cheapest that fit in pieces
         for activation in activations:
-            if best is not None and best.schedule.strategy == "layers":
-                break
             policies = (
                 LayerPolicy(activations=activation, parameters=parameters, state=state, ahead=a) for a in (1, 0)
             )
             plan = next(filter(None, (_most_relaxed(p, len(layers), trials.planned) for p in policies)), None)
-            best = min(filter(None, [best, plan]), key=lambda c: c.cost_s, default=None)
+            if plan is not None and plan.schedule.strategy == "layers":
+                best = plan
+                break
+            best = _steadier(best, plan)
         found += [best] if best is not None else []
     if not found:
         return None
@@ -569,8 +581,9 @@ def _key(policy: LayerPolicy, count: int) -> tuple[str, ...]:
 
 def _most_relaxed(policy: LayerPolicy, count: int, planned: Callable) -> tuple | None:
     """``policy`` with as many layers relaxed as fit (a binary search: relaxing a layer only adds to
-    what the device holds), the fastest of those tried where holding more made the rest move more,
-    and its plan; None where not even none relaxed fits."""
+    what the device holds), or one of those tried with fewer where that is faster by more than
+    ``MOVE_MARGIN`` (holding more made the rest move more), and its plan; None where not even none
+    relaxed fits."""
     first = planned(policy)
     if first is None:
         return None
@@ -580,7 +593,15 @@ def _most_relaxed(policy: LayerPolicy, count: int, planned: Callable) -> tuple |
         plan = planned(dataclasses.replace(policy, relaxed=mid))
         lo, hi = (mid, hi) if plan is not None else (lo, mid - 1)
         tried += [plan] if plan is not None else []
-    return min(tried, key=lambda c: (c.cost_s, -c.policy.relaxed))
+    return functools.reduce(_steadier, sorted(tried, key=lambda c: -c.policy.relaxed))
+
+
+def _steadier(preferred: _Timed | None, other: _Timed | None) -> _Timed | None:
+    """``preferred``, unless ``other`` costs less by more than ``MOVE_MARGIN`` (or there is no
+    ``preferred``): a choice the rates it is made with decide only by a wide margin."""
+    if preferred is None or (other is not None and other.cost_s * (1 + MOVE_MARGIN) < preferred.cost_s):
+        return other
+    return preferred
 
 
 def replan_layers(

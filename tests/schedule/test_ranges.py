@@ -17,8 +17,8 @@ def state_bytes(program) -> int:
     return program.donated_bytes
 
 
-def plan_steps(program, budget, groups=()):
-    return window_module._plan_checked(program, budget, groups, window=int(1.5 * budget), min_offload_bytes=MiB)
+def plan_steps(program, budget):
+    return window_module._plan_checked(program, budget, window=int(1.5 * budget), min_offload_bytes=MiB)
 
 
 @st.composite

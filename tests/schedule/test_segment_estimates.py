@@ -164,32 +164,8 @@ def test_a_probe_over_the_budget_only_by_what_is_held_at_its_start_is_planned_ar
     assert again.held_bytes + 3 * MiB <= budget
 
 
-def test_a_prefetch_for_after_a_group_of_layers_alike_waits_for_its_end_rather_than_cut_a_layer():
-    """Three layers alike (f, g), then an update reading state s that lives on host: s is
-    prefetched while the last layer runs. The last layer still runs whole, as the others (one
-    program for the three), and s is fetched before the update."""
-    from oocjax.schedule.chain import check_segments
-    from oocjax.schedule.moves import Prefetch, Schedule
-
-    names = ["x", "a1", "h1", "a2", "h2", "a3", "h3", "s", "out"]
-    steps = [("f", ["x"], ["a1"]), ("g", ["a1"], ["h1"]), ("f", ["h1"], ["a2"]), ("g", ["a2"], ["h2"])]
-    steps += [("f", ["h2"], ["a3"]), ("g", ["a3"], ["h3"]), ("update", ["h3", "s"], ["out"])]
-    program = Program.from_ops(steps, dict.fromkeys(names, MiB), inputs=["x", "s"], outputs=["out"])
-    s = names.index("s")
-    assert program.buffers[s].label == "s"
-    fetch = Prefetch(buffer=s, issue_step=5, use_step=6)
-    plan = Schedule(strategy="hand", budget_bytes=None, host_inputs=frozenset({s}), moves=(fetch,))
-    layers = [(0, 2, "Block"), (2, 4, "Block"), (4, 6, "Block")]
-    segments = cut_segments(program, plan, budget_bytes=64 * MiB, layers=layers)
-    assert [(x.start, x.stop) for x in segments] == [(0, 2), (2, 4), (4, 6), (6, 7)]
-    assert segments[-1].prefetches == (s,) and not segments[2].prefetches
-    assert not check_segments(program, plan, segments)
-    # Without the layers, the prefetch cuts where it was planned.
-    assert [(x.start, x.stop) for x in cut_segments(program, plan, budget_bytes=64 * MiB)] == [(0, 5), (5, 7)]
-
-
 def test_prefetches_issued_alike_in_every_layer_keep_their_cuts_so_the_copies_overlap_the_layers():
-    """The same three layers, each fetching a piece of the update's state at its middle: every
+    """Three layers alike (f, g), each fetching a piece of the update's state at its middle: every
     layer is cut there alike (the pieces share programs), and the copies overlap the layers."""
     from oocjax.schedule.moves import Prefetch, Schedule
 
