@@ -1,7 +1,8 @@
 """The first call of a step: trace, plan, cut, compile and run, ``ooc_jit`` against ``jax.jit``, on the CPU.
 
 The test zoo's transformer (``tests/support/zoo.py``) at 4, 12 and 24 layers, at 30% of its in-core
-estimate, donated state, ``min_offload_bytes=4096`` as the tests use; and (``--ways``) one GPT-style
+estimate (``--fractions``: others too), donated state, ``min_offload_bytes=4096`` as the tests use;
+and (``--ways``) one GPT-style
 decoder written four ways (``examples/decoders.py``: Flax auto names, explicit numeric names under a
 parent, NNX with a list of blocks, a plain function over a list of weight dicts), the same way.
 Per model and depth:
@@ -10,8 +11,10 @@ Per model and depth:
   too), fresh wrappers: the wall time of
   ``jax.jit(step)(state, batch)`` and of ``ooc_jit(step, budget=...)(state, batch)``, each blocked
   on, everything included. Best of ``--repeats``, the two taken in turns. Besides the ratio: the
-  distinct compiled programs, segments per layer, and the plans made during the first call (more
-  than one where compiled segments measured over the budget).
+  distinct compiled programs, segments per layer, the plans made during the first call (more
+  than one where compiled segments measured over the budget), the chain's executed peak against
+  the budget, and whether the first call's results are ``jax.jit``'s (``RTOL``, ``ATOL``: the
+  tests' tolerances for the decoders).
 * **Second process** (``--second-process``). With JAX's persistent cache directory set
   (``jax_compilation_cache_dir``, ``jax_persistent_cache_min_compile_time_secs=0``), a process
   makes the first call and a new one makes it again: the new one's first call, ``ooc_jit``
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from oocjax import ooc_jit
 
@@ -50,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 DEPTHS = (4, 12, 24)
 FRACTION = 0.3
+RTOL, ATOL = 1e-5, 3e-4
 
 
 def make_case(model: str, layers: int) -> tuple:
@@ -72,6 +77,7 @@ class FirstCall:
     compiles: int  # XLA backend compiles
     compile_seconds: float  # their durations, summed (they overlap where compiled in threads)
     step: object  # the wrapped step
+    results: object  # what the first call returned
 
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -96,15 +102,22 @@ def first_call(layers: int, wrapper: str, budget: int, model: str = "zoo") -> Fi
             step = jax.jit(step_fn, donate_argnums=0)
         else:
             step = ooc_jit(step_fn, budget=budget, donate_argnums=0, min_offload_bytes=4096)
-        jax.block_until_ready(step(state, batch))
+        results = jax.block_until_ready(step(state, batch))
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
-    return FirstCall(seconds, cpu, len(compiles), sum(compiles), step)
+    return FirstCall(seconds, cpu, len(compiles), sum(compiles), step, results)
 
 
-def first_process(model: str, layers: int, repeats: int) -> dict:
-    budget = int(in_core_bytes(layers, model) * FRACTION)
+def same_results(got, expected) -> bool:
+    """Whether ``got`` is ``expected`` within ``RTOL`` and ``ATOL`` (random keys bit for bit)."""
+    pairs = zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True)
+    unkeyed = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa: E731
+    return all(np.allclose(unkeyed(a), unkeyed(b), rtol=RTOL, atol=ATOL) for a, b in pairs)
+
+
+def first_process(model: str, layers: int, repeats: int, fraction: float = FRACTION) -> dict:
+    budget = int(in_core_bytes(layers, model) * fraction)
     # Taken in turns, so that a slower stretch of a shared machine falls on both wrappers.
     turns = [tuple(first_call(layers, wrapper, budget, model) for wrapper in ("jit", "ooc")) for _ in range(repeats)]
     jit, ooc = (min(runs, key=lambda run: run.seconds) for runs in zip(*turns, strict=True))
@@ -116,7 +129,7 @@ def first_process(model: str, layers: int, repeats: int) -> dict:
     row = dict(
         model=model,
         layers=layers,
-        fraction=FRACTION,
+        fraction=fraction,
         jit_s=jit_s,
         ooc_s=ooc_s,
         ratio=ooc_s / jit_s,
@@ -126,6 +139,10 @@ def first_process(model: str, layers: int, repeats: int) -> dict:
         moved_bytes=sum(plan.program.buffers[m.buffer].nbytes for m in plan.schedule.moves),
         recomputed=len(plan.recomputed),
         plans=len(plan.attempts),
+        executed_peak_bytes=plan.executed_peak_bytes,
+        budget_bytes=budget,
+        results_as_jax_jit=same_results(ooc.results, jit.results),
+        layer_policy=list(plan.layer_policy),
         jit_cpu_s=jit.cpu_seconds,
         ooc_cpu_s=ooc.cpu_seconds,
         jit_compiles=jit.compiles,
@@ -134,9 +151,11 @@ def first_process(model: str, layers: int, repeats: int) -> dict:
         ooc_compile_s=ooc.compile_seconds,
     )
     print(
-        f"{model} {layers:2d} layers: jax.jit {jit_s:.2f} s, ooc_jit {ooc_s:.2f} s ({row['ratio']:.2f}x); "
+        f"{model} {layers:2d} layers at {fraction:.0%}: jax.jit {jit_s:.2f} s, ooc_jit {ooc_s:.2f} s "
+        f"({row['ratio']:.2f}x); "
         f"{row['segments']} segments ({row['segments_per_layer']:.1f} per layer), {distinct} distinct programs, "
-        f"{row['plans']} plans; "
+        f"{row['plans']} plans, peak {row['executed_peak_bytes'] or 0:,} of {budget:,} bytes, results as jax.jit's: "
+        f"{row['results_as_jax_jit']}; "
         f"CPU time {jit.cpu_seconds:.2f} s against {ooc.cpu_seconds:.2f} s, backend compiles "
         f"{jit.compiles} ({jit.compile_seconds:.2f} s) against {ooc.compiles} ({ooc.compile_seconds:.2f} s summed)"
     )
@@ -187,11 +206,18 @@ def main() -> None:
     parser.add_argument("--layers", default=",".join(map(str, DEPTHS)))
     parser.add_argument("--second-process", default="4,24", help="depths to measure in second processes")
     parser.add_argument("--ways", default="", help=f"decoders to measure too, of {','.join(WAYS)} (or 'all')")
+    parser.add_argument("--fractions", default=str(FRACTION), help="budgets, as fractions of the in-core estimate")
     parser.add_argument("--out")
     args = parser.parse_args()
     depths = [int(d) for d in args.layers.split(",") if d]
     ways = WAYS if args.ways == "all" else [w for w in args.ways.split(",") if w]
-    rows = [first_process(model, layers, args.repeats) for model in ["zoo", *ways] for layers in depths]
+    fractions = [float(f) for f in args.fractions.split(",")]
+    rows = [
+        first_process(model, layers, args.repeats, fraction)
+        for model in ["zoo", *ways]
+        for layers in depths
+        for fraction in fractions
+    ]
     second, failures = [], []
     for depth in [int(d) for d in args.second_process.split(",") if d]:
         try:

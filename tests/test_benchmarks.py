@@ -221,8 +221,17 @@ def test_a_first_call_run_renders_whatever_parts_it_measured_in_the_measurements
     ways = [row(way, layers, 1.25) for way in ("linen_auto", "plain") for layers in (4, 24)]
     record = dict(machine, rows=zoo + ways, second_process=[])
     text = "\n".join(report._first_call_lines("first_call-cpu-2026-11-27c.json", record))
-    assert "4 layers: 1.50x" in text and "24 layers: 0.75x" in text and "second process" not in text
-    assert "| linen_auto | 24 | 1.25x (2.5 s / 2.0 s) | 2.0 | 6 | 1 |" in text
+    assert "4 layers at 30%: 1.50x" in text and "24 layers at 30%: 0.75x" in text and "second process" not in text
+    assert (
+        "| linen_auto | 24 | 30% | 1.25x (2.5 s / 2.0 s) | 2.0 | 6 | 1 | - | - |" in text
+    )  # peak and results: unrecorded
+    measured = dict(
+        row("plain", 4, 1.0), fraction=0.6, executed_peak_bytes=90, budget_bytes=100, results_as_jax_jit=True
+    )
+    assert "| plain | 4 | 60% | 1.00x (2.0 s / 2.0 s) | 2.0 | 6 | 1 | yes | yes |" in "\n".join(
+        report._ways_lines(dict(machine, rows=[measured]))
+    )
+    assert report._first_call_rows("first_call-cpu-2026-11-27c.json", dict(machine, rows=[measured])) == []
     rows = report._first_call_rows("first_call-cpu-2026-11-27c.json", record)
     assert len(rows) == 2 and "| 1.50x / 0.75x | - | `first_call-cpu-2026-11-27c.json` |" in rows[0]
     assert "4 / 24 layers" in rows[1] and "linen_auto 1.25x / 1.25x; plain 1.25x / 1.25x" in rows[1]

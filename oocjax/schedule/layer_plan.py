@@ -31,7 +31,6 @@ holds when the rates it is made with move (``LayerPlan.alternatives`` keeps what
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
@@ -476,16 +475,15 @@ def plan_layers(
         kept = found and all(found[-1].policy.activation(i, len(layers)) == "kept" for i in range(len(layers)))
         if found and (kept or frees[parameters, state] < frees["activations"]):
             break
-        best = None  # the first activations that fit with each run one unit, else the cheapest that fit in pieces
+        best = None  # the cheapest activations that fit, up to the first that fits each run whole, its copies hidden
         for activation in activations:
             policies = (
                 LayerPolicy(activations=activation, parameters=parameters, state=state, ahead=a) for a in (1, 0)
             )
             plan = next(filter(None, (_most_relaxed(p, len(layers), trials.planned) for p in policies)), None)
-            if plan is not None and plan.schedule.strategy == "layers":
-                best = plan
+            best = min(filter(None, [best, plan]), key=lambda c: c.cost_s, default=None)
+            if plan is not None and plan.schedule.strategy == "layers" and plan.exposed_s <= 1e-9 * plan.time_s:
                 break
-            best = _steadier(best, plan)
         found += [best] if best is not None else []
     if not found:
         return None
@@ -529,11 +527,12 @@ class _Trials:
             return None
         if replay(rewrite.program, schedule)[1]:
             return None
-        time_s = simulate_time(rewrite.program, schedule, self.profile).step_time_s
+        timed = simulate_time(rewrite.program, schedule, self.profile)
         boundaries_s = (
             len(schedule.copy_steps | schedule.segment_starts) * BOUNDARY_BYTES / self.profile.h2d_bytes_per_s
         )
-        return _Timed(policy, rewrite, schedule, time_s, schedule.moved_bytes(rewrite.program), boundaries_s)
+        moved = schedule.moved_bytes(rewrite.program)
+        return _Timed(policy, rewrite, schedule, timed.step_time_s, moved, boundaries_s, timed.exposed_transfer_s)
 
 
 class _Timed(NamedTuple):
@@ -545,6 +544,7 @@ class _Timed(NamedTuple):
     time_s: float
     moved_bytes: int
     boundaries_s: float  # what its segments' boundaries cost the executor (``ranges.BOUNDARY_BYTES``)
+    exposed_s: float  # what of its step time the copies add, by the simulation
 
     @property
     def cost_s(self) -> float:
@@ -581,9 +581,8 @@ def _key(policy: LayerPolicy, count: int) -> tuple[str, ...]:
 
 def _most_relaxed(policy: LayerPolicy, count: int, planned: Callable) -> tuple | None:
     """``policy`` with as many layers relaxed as fit (a binary search: relaxing a layer only adds to
-    what the device holds), or one of those tried with fewer where that is faster by more than
-    ``MOVE_MARGIN`` (holding more made the rest move more), and its plan; None where not even none
-    relaxed fits."""
+    what the device holds), or the cheapest of those tried with fewer where holding more made the
+    rest move more, and its plan; None where not even none relaxed fits."""
     first = planned(policy)
     if first is None:
         return None
@@ -593,15 +592,7 @@ def _most_relaxed(policy: LayerPolicy, count: int, planned: Callable) -> tuple |
         plan = planned(dataclasses.replace(policy, relaxed=mid))
         lo, hi = (mid, hi) if plan is not None else (lo, mid - 1)
         tried += [plan] if plan is not None else []
-    return functools.reduce(_steadier, sorted(tried, key=lambda c: -c.policy.relaxed))
-
-
-def _steadier(preferred: _Timed | None, other: _Timed | None) -> _Timed | None:
-    """``preferred``, unless ``other`` costs less by more than ``MOVE_MARGIN`` (or there is no
-    ``preferred``): a choice the rates it is made with decide only by a wide margin."""
-    if preferred is None or (other is not None and other.cost_s * (1 + MOVE_MARGIN) < preferred.cost_s):
-        return other
-    return preferred
+    return min(tried, key=lambda c: (c.cost_s, -c.policy.relaxed))
 
 
 def replan_layers(
