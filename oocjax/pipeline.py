@@ -221,16 +221,18 @@ class StepPlanner:
     def _learnt(self, choice: HybridPlan, attempt: Attempt, cut: CutOptions, budget: Budget, history, worst: str):
         """After an attempt's compiled segments came out larger than estimated (XLA's scratch,
         padding): the step planned again with that excess as scratch of their steps, so that less
-        is held around them, and the worst cut in two (a plan by layer cuts its layers alike itself).
-        Where no plan holds that much scratch on every step of a long segment (its excess may be
-        what merging its steps cost), the cut alone is tried. The choice, plan and cut to try next."""
+        is held around them, and each segment over the budget cut in two (a plan by layer cuts its
+        layers alike itself). Where no plan holds that much scratch on every step of a long segment
+        (its excess may be what merging its steps cost), the cuts alone are tried: alike layers
+        measure alike, and are cut alike. The choice, plan and cut to try next."""
         program, schedule, timeline, segment = (
             attempt.program,
             attempt.schedule,
             attempt.timeline,
             attempt.segments[attempt.worst],
         )
-        middle = {(segment.start + segment.stop) // 2}
+        over = zip(attempt.segments, attempt.costs, strict=True)
+        middle = {(s.start + s.stop) // 2 for s, c in over if s.held_bytes + c.launch_bytes > budget.planned_bytes}
         try:
             learnt = with_measured_scratch(program, attempt.segments, attempt.costs, budget.planned_bytes)
             schedule, choice = self._plan(learnt, budget, choice, history, worst)
@@ -256,8 +258,10 @@ class StepPlanner:
             probes = {} if self.profile is not None else unfitted_ranges(program, schedule, segments, cut)
             if not probes:
                 break
-            costs = self._compiled(rewritten, tuple(probes.values()), program, None, timings, "probe")[2]
-            launches = [cost.launch_bytes for cost in costs]
+            # The plan's own segments compile beside the probes, in parallel: where the probes fit,
+            # the plan runs them as they are, compiled already.
+            costs = self._compiled(rewritten, (*probes.values(), *segments), program, budget, timings, "probe")[2]
+            launches = [cost.launch_bytes for cost in costs[: len(probes)]]
             cut = dataclasses.replace(cut, measured=(*cut.measured, *zip(probes, launches)))
             learnt = with_probed_scratch(program, schedule, tuple(probes.values()), launches, budget.planned_bytes)
             if not replan or learnt is None:

@@ -1,31 +1,31 @@
-"""Plans by layer: one policy per step for what each layer's backward reads of its forward, for its
+"""Plans by layer: one policy for what every layer's backward reads of its forward, for its
 parameters and for its optimizer state, with every copy issued where a unit of the layers begins.
 
 Where a step's layers are known (``transforms.layers``: per layer its forward run, its backward run
-and, where updates follow the backward pass, its update run), the step is cut into *units*: each run
-as few ranges of steps as each fit a share of the budget (``ranges.ranges_within``), each step
-outside the layers its own. A policy (``LayerPolicy``) then says every copy of a layer's values, on
-the program of units (``ranges.coarse_program``), where a unit is one step:
+and, where updates follow the backward pass, its update run), each run is one *unit*, each step
+outside the layers its own. A policy (``LayerPolicy``) says every copy of a layer's values on the
+program of units (``ranges.coarse_program``, a unit one step):
 
-* **activations**, what a layer's backward reads of its forward: ``kept``; ``recomputed`` from the
-  layer's input (per-block remat: ``schedule.blocks``); ``offloaded`` (copied to host after their
-  last forward read, fetched back ``ahead`` units before their backward read); or ``input
-  offloaded`` (recomputed, and the layer's input offloaded). The last ``relaxed`` layers, whose
-  backward comes first, take the next cheaper of these (``ACTIVATIONS``), so that memory left over is
-  used, not wasted.
+* **activations** (``ACTIVATIONS``): ``kept``; ``recomputed`` from the layer's input (per-block
+  remat: ``schedule.blocks``), or ``by halves``; ``offloaded`` (copied to host after their last
+  forward read, fetched back ``ahead`` units before their backward read); or recomputed with the
+  input (and midpoint) offloaded. The last ``relaxed`` layers, whose backward comes first, take the
+  next cheaper, so that memory the policy leaves is used, not wasted.
 * **parameters**: ``kept`` on the device, or ``fetched`` ``ahead`` units before each pass that reads
   them (their host copy is valid: the device copy is dropped after the pass, not copied out).
 * **optimizer state**: ``kept``, or ``streamed``: fetched ``ahead`` units before the update and the
   new state copied back as soon as it is made, its memory free ``ahead`` units later.
 
 The window planner (``schedule.window``) plans what lies outside the layers (the embedding, the head,
-the loss) on the same units, around the bytes the layers' values hold there, and the plan is put
-back on the steps (``ranges.refined``): its segments are the units.
+the loss) on the same units, around the bytes the layers hold there; where a unit does not fit,
+every run of its kind is cut alike (``layer_schedule``). The plan is put back on the steps
+(``ranges.refined``): its segments are the units.
 
-``plan_layers`` tries a small set of policies, from the fewest copies up, each with as many layers
-relaxed as fit, and takes the fastest by the timed simulation (``cost.simulate_time``) unless one
-that moves fewer bytes is within ``MOVE_MARGIN`` of it: the model's times err by more, and the choice then
-holds when the rates it is made with move (``LayerPlan.alternatives`` keeps what else was timed).
+``plan_layers`` tries the ways of keeping parameters and state from the fewest copies up, each with
+the cheapest activations that fit and as many layers relaxed as pay, timed by the simulation
+(``cost.simulate_time``, each unit's boundary charged as ``ranges.BOUNDARY_BYTES``), and takes the
+one moving the fewest bytes unless another is faster by more than ``MOVE_MARGIN``: the model's times
+err by more (``LayerPlan.alternatives`` keeps what else was timed, and why it lost).
 """
 
 from __future__ import annotations
@@ -154,14 +154,16 @@ def _numbered(numbers: Sequence[int]) -> str:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerPlan:
     """The plan ``plan_layers`` chose: its policy, the rewrite it runs (the identity where nothing is
-    recomputed), its schedule on ``rewrite.program``, its simulated step time, and per other policy
-    timed its description, step time and bytes moved (``alternatives``)."""
+    recomputed), its schedule on ``rewrite.program``, its simulated step time and that with its
+    units' boundaries (``cost_s``), and per other policy timed its cost and bytes moved
+    (``alternatives``)."""
 
     policy: LayerPolicy
     rewrite: Rewrite
     schedule: Schedule
     step_time_s: float
     layers: tuple[Layer, ...]
+    cost_s: float = 0.0
     alternatives: tuple[tuple[LayerPolicy, float, int], ...] = ()
 
     def describe(self) -> list[str]:
@@ -171,18 +173,13 @@ class LayerPlan:
     def why(self) -> list[str]:
         """One line per other policy timed: what it does, its step time and bytes moved, and why it
         was not taken."""
-        moved = self.schedule.moved_bytes(self.rewrite.program)
-        lines = []
-        for policy, time_s, their_bytes in self.alternatives:
-            if time_s >= self.step_time_s:
-                reason = "slower"
-            elif their_bytes > moved:
-                reason = f"faster by less than {MOVE_MARGIN:.0%}, moving more: the model errs by more"
-            else:
-                reason = "faster, but moving no fewer bytes"  # not taken only by ties in the rule
+        moved, lines = self.schedule.moved_bytes(self.rewrite.program), []
+        for policy, cost_s, their_bytes in self.alternatives:
+            reason = "slower" if cost_s >= self.cost_s else f"faster by less than {MOVE_MARGIN:.0%}, moving more"
             lines.append(
                 f"{policy.activations} ({policy.relaxed} layers relaxed), parameters {policy.parameters}, state "
-                f"{policy.state}: {time_s * 1e3:.4g} ms, {format_bytes(their_bytes)} moved: {reason}"
+                f"{policy.state}: {cost_s * 1e3:.4g} ms against {self.cost_s * 1e3:.4g} ms with the segments' "
+                f"boundaries, {format_bytes(their_bytes)} moved against {format_bytes(moved)}: {reason}"
             )
         return lines
 
@@ -491,9 +488,9 @@ def plan_layers(
     chosen = min(
         [c for c in found if c.cost_s * (1 + MOVE_MARGIN) < chosen.cost_s], key=lambda c: c.cost_s, default=chosen
     )
-    others = tuple((c.policy, c.time_s, c.moved_bytes) for c in found if c is not chosen)
+    others = tuple((c.policy, c.cost_s, c.moved_bytes) for c in found if c is not chosen)
     plan = dict(policy=chosen.policy, rewrite=chosen.rewrite, schedule=chosen.schedule, step_time_s=chosen.time_s)
-    return LayerPlan(**plan, layers=trials.rewritten(chosen.policy)[1], alternatives=others)
+    return LayerPlan(**plan, layers=trials.rewritten(chosen.policy)[1], cost_s=chosen.cost_s, alternatives=others)
 
 
 @dataclass
@@ -520,6 +517,7 @@ class _Trials:
     def planned(self, policy: LayerPolicy) -> _Timed | None:
         """``policy``'s plan and its times, or None where it does not fit."""
         rewrite, layers = self.rewritten(policy)
+        runs = [run for layer in layers for run in layer.runs]
         window = dict(window_bytes=self.window_bytes, min_offload_bytes=self.min_offload_bytes)
         try:
             schedule = layer_schedule(rewrite.program, layers, policy, self.budget_bytes, **window)
@@ -528,9 +526,9 @@ class _Trials:
         if replay(rewrite.program, schedule)[1]:
             return None
         timed = simulate_time(rewrite.program, schedule, self.profile)
-        boundaries_s = (
-            len(schedule.copy_steps | schedule.segment_starts) * BOUNDARY_BYTES / self.profile.h2d_bytes_per_s
-        )
+        # Where the layers' runs are cut: outside them, small segments are merged (``segments``).
+        cuts = [k for k in schedule.copy_steps | schedule.segment_starts if any(a < k < y for a, y in runs)]
+        boundaries_s = len(cuts) * BOUNDARY_BYTES / self.profile.h2d_bytes_per_s
         moved = schedule.moved_bytes(rewrite.program)
         return _Timed(policy, rewrite, schedule, timed.step_time_s, moved, boundaries_s, timed.exposed_transfer_s)
 
@@ -543,7 +541,7 @@ class _Timed(NamedTuple):
     schedule: Schedule
     time_s: float
     moved_bytes: int
-    boundaries_s: float  # what its segments' boundaries cost the executor (``ranges.BOUNDARY_BYTES``)
+    boundaries_s: float  # what cutting its layers' runs costs the executor (``ranges.BOUNDARY_BYTES`` each)
     exposed_s: float  # what of its step time the copies add, by the simulation
 
     @property
