@@ -255,6 +255,7 @@ class StepPlanner:
         for replan in (True, False):
             # A profile's plan measures nothing: a probe would only repeat the estimate.
             segments = cut_segments(program, schedule, cut)
+            refuse_tokens_between(segments, rewritten.flat.avals)
             probes = {} if self.profile is not None else unfitted_ranges(program, schedule, segments, cut)
             if not probes:
                 break

@@ -148,7 +148,7 @@ def _chosen(candidates: list[_Candidate], recompute: RecomputeMode | RecomputePo
     than ``MOVE_MARGIN`` (ties in time go to fewer copies)."""
     if recompute == "always" or callable(recompute):
         return candidates[-1]
-    ordered = sorted(candidates, key=lambda c: (c.moved_bytes, c.time_s, _moved(c.schedule)))
+    ordered = sorted(candidates, key=lambda c: (c.moved_bytes, c.time_s, len(c.schedule.moves)))
     chosen = ordered[0]
     for candidate in ordered[1:]:
         if candidate.time_s * (1 + MOVE_MARGIN) < chosen.time_s:
@@ -173,11 +173,6 @@ def _apply_policy(
             elif verdict is False:
                 forbidden.add(k)
     return forced, (lambda k: k not in forbidden and recomputable(k))
-
-
-def _moved(schedule: Schedule) -> int:
-    """How much a schedule moves, to break ties in time: fewer copies, less to go wrong."""
-    return len(schedule.moves) + len(schedule.host_inputs)
 
 
 def _plan_or_none(planner: Callable, rewrite: Rewrite, budget_bytes: int, window: dict) -> Schedule | None:

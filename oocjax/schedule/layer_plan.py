@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, pairwise
+from itertools import accumulate, groupby, pairwise
 from typing import NamedTuple
 
 from oocjax.errors import BudgetInfeasibleError
@@ -52,10 +52,9 @@ from oocjax.schedule.window import plan_window
 
 class _How(NamedTuple):
     """An activation policy: what its relaxed layers take (the next cheaper in time), whether it
-    moves what its layers' backward reads, what it recomputes their insides from (their input, or
-    their input and their narrowest point in the middle, ``blocks.narrowest``: a transformer
-    block's residual stream between its attention and its MLP, so that each half is recomputed for
-    its own backward alone; "" for nothing), and what a plan says of it."""
+    moves what its layers' backward reads, what it recomputes their insides from ("input", or
+    "halves": also their narrowest point in the middle, ``blocks.narrowest``; "" for nothing), and
+    what a plan says of it."""
 
     relaxed: str
     offloads: bool
@@ -66,14 +65,10 @@ class _How(NamedTuple):
 ACTIVATIONS = {
     "kept": _How("kept", False, "", "what its backward reads kept from its forward"),
     "recomputed": _How("kept", False, "input", "recomputed from its input (per-block remat)"),
-    "recomputed by halves": _How(
-        "kept", False, "halves", "recomputed from its input and its midpoint, each half for its own backward"
-    ),
+    "recomputed by halves": _How("kept", False, "halves", "recomputed from its input and its midpoint"),
     "input offloaded": _How("recomputed", True, "input", "recomputed from its input, the input offloaded"),
-    "halves offloaded": _How(
-        "recomputed by halves", True, "halves", "recomputed by halves, the input and the midpoint offloaded"
-    ),
-    "offloaded": _How("kept", True, "", "what its backward reads offloaded after its forward and fetched back"),
+    "halves offloaded": _How("recomputed by halves", True, "halves", "recomputed by halves, both offloaded"),
+    "offloaded": _How("kept", True, "", "what its backward reads offloaded after its forward"),
 }
 # A run of a layer is cut into at most this many units: more segments a layer cost more than they
 # save (each a launch, and alike layers' pieces only alike where their cuts are), and where a layer
@@ -141,13 +136,8 @@ class LayerPolicy:
 
 def _numbered(numbers: Sequence[int]) -> str:
     """``layers 0-4, 6-10`` for those numbers (ascending)."""
-    spans: list[list[int]] = []
-    for i in numbers:
-        if spans and spans[-1][1] == i - 1:
-            spans[-1][1] = i
-        else:
-            spans.append([i, i])
-    said = ", ".join(str(a) if a == y else f"{a}-{y}" for a, y in spans)
+    spans = [[i for _, i in run] for _, run in groupby(enumerate(numbers), key=lambda t: t[1] - t[0])]
+    said = ", ".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in spans)
     return f"layer {said}" if len(numbers) == 1 else f"layers {said}"
 
 
@@ -324,10 +314,9 @@ def _whole_units(program: Program, bounds: frozenset[int]) -> list[Range]:
 
 @dataclass(frozen=True, slots=True)
 class _UnitPlan:
-    """The layers' copies on a program of units: the program of units (``ranges.coarse_program``)
-    and its buffers' ids in the program, the layers' copies there and the buffers they move or keep
-    (the layers' own), and the program the window planner plans the rest on: the layers' own
-    values of no size, what they hold on the device added to each unit's scratch."""
+    """The layers' copies on the program of units (``ranges.coarse_program``, its buffers' ids in
+    the program), the buffers they move or keep (the layers' own), and the program the window
+    planner plans the rest on: the layers' own of no size, what they hold added to each unit's scratch."""
 
     coarse: Program
     ids: tuple[int, ...]
@@ -431,13 +420,7 @@ def _layer_moves(
 
 def _visits(reads: Sequence[int], where: dict[int, tuple[int, int]]) -> list[list[int]]:
     """``reads`` (units) grouped by the phase of the layer that reads them: one fetch each."""
-    visits: list[list[int]] = []
-    for u in reads:
-        if visits and where[u][1] == where[visits[-1][-1]][1]:
-            visits[-1].append(u)
-        else:
-            visits.append([u])
-    return visits
+    return [list(visit) for _, visit in groupby(reads, key=lambda u: where[u][1])]
 
 
 def plan_layers(
@@ -553,23 +536,14 @@ def _bytes_freed(program: Program, layers: Sequence[Layer]) -> dict:
     """What the device holds less of per layer where its optimizer state streams (``("kept",
     "streamed")``), and where its parameters are fetched too (``("fetched", "streamed")``); and
     what one layer's backward reads of its forward (``"activations"``: what relaxing a layer holds)."""
-    uses, buffers = program.uses, program.buffers
-    inputs = {"forward": 0, "backward": 0}
-    first = layers[0]
-    for b in {b for a, y in first.runs for step in program.steps[a:y] for b in step.reads}:
-        if buffers[b].kind == "input":
-            read = first.runs[0][0] <= uses.read_at[b][0] < first.runs[0][1]
-            inputs["forward" if read else "backward"] += buffers[b].nbytes
-    (fa, fy), (ba, by) = first.runs[:2]
-    saved = sum(
-        buffer.nbytes
-        for b, buffer in enumerate(buffers)
-        if buffer.kind == "computed"
-        and fa <= (uses.defined_at[b] or 0) < fy
-        and any(ba <= r < by for r in uses.read_at[b])
-    )
-    state = inputs["backward"]
-    return {("kept", "streamed"): state, ("fetched", "streamed"): state + inputs["forward"], "activations": saved}
+    uses, buffers, ((fa, fy), (ba, by)) = program.uses, program.buffers, layers[0].runs[:2]
+    read = {b for a, y in layers[0].runs for step in program.steps[a:y] for b in step.reads}
+    inputs = [b for b in read if buffers[b].kind == "input"]
+    state = sum(buffers[b].nbytes for b in inputs if not fa <= uses.read_at[b][0] < fy)
+    parameters = sum(buffers[b].nbytes for b in inputs) - state
+    made = (b for b in read if buffers[b].kind == "computed" and fa <= uses.defined_at[b] < fy)
+    saved = sum(buffers[b].nbytes for b in made if any(ba <= r < by for r in uses.read_at[b]))
+    return {("kept", "streamed"): state, ("fetched", "streamed"): state + parameters, "activations": saved}
 
 
 def _key(policy: LayerPolicy, count: int) -> tuple[str, ...]:
@@ -605,17 +579,15 @@ def replan_layers(
     measured beyond the estimate): with its policy, or where that no longer fits each run whole, the
     first that does of those holding less with the same layers recomputed (``holding_less``), else
     the first that fits at all. Raises ``BudgetInfeasibleError`` where none fits."""
-    window = dict(window_bytes=window_bytes, min_offload_bytes=min_offload_bytes)
-    fitting, error = [], None
+    window, fitting = dict(window_bytes=window_bytes, min_offload_bytes=min_offload_bytes), []
     for policy in (plan.policy, *plan.policy.holding_less(len(plan.layers))):
         try:
             fitting.append((policy, layer_schedule(program, plan.layers, policy, budget_bytes, **window)))
-        except BudgetInfeasibleError as raised:
-            error = error or raised
+        except BudgetInfeasibleError:
             continue
         if fitting[-1][1].strategy == "layers":
             break
-    if not fitting:
-        raise error
+    if not fitting:  # raises, as none fits
+        layer_schedule(program, plan.layers, plan.policy, budget_bytes, **window)
     policy, schedule = next((f for f in fitting if f[1].strategy == "layers"), fitting[0])
     return dataclasses.replace(plan, policy=policy, schedule=schedule)
