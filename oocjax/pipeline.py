@@ -225,12 +225,7 @@ class StepPlanner:
         layers alike itself). Where no plan holds that much scratch on every step of a long segment
         (its excess may be what merging its steps cost), the cuts alone are tried: alike layers
         measure alike, and are cut alike. The choice, plan and cut to try next."""
-        program, schedule, timeline, segment = (
-            attempt.program,
-            attempt.schedule,
-            attempt.timeline,
-            attempt.segments[attempt.worst],
-        )
+        program, schedule, timeline = attempt.program, attempt.schedule, attempt.timeline
         over = zip(attempt.segments, attempt.costs, strict=True)
         middle = {(s.start + s.stop) // 2 for s, c in over if s.held_bytes + c.launch_bytes > budget.planned_bytes}
         try:
@@ -239,7 +234,7 @@ class StepPlanner:
             program, timeline = learnt, self._replayed(learnt, schedule)
             middle = middle if choice.layer_plan is None else set()
         except OocError:
-            if segment.stop - segment.start <= 1:
+            if attempt.segments[attempt.worst].stop - attempt.segments[attempt.worst].start <= 1:
                 raise
         return choice, program, schedule, timeline, dataclasses.replace(cut, cut_before=cut.cut_before | middle)
 

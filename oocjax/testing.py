@@ -7,8 +7,8 @@ injected, an allocator read, the executor's waits switched off), never by replac
 
 from oocjax.api import OocJitted
 from oocjax.schedule.chain import CopyIn, CopyOut, Launch
-from oocjax.schedule.hybrid import MOVE_MARGIN
 from oocjax.schedule.layer_cuts import segment_signature
+from oocjax.schedule.layer_plan import MOVE_MARGIN
 from oocjax.schedule.moves import move_order
 from oocjax.schedule.synthetic import layered_training_step
 from oocjax.seams import Seams

@@ -117,12 +117,9 @@ def _svg_marks(plan: Plan, x) -> list[str]:
     for r in plan.recomputed:
         columns.setdefault(int(x(r.recomputed_at) // _MARK_PX), []).append(r)
     for values in columns.values():
-        values.sort(key=lambda r: -r.nbytes)
         at = sorted(r.recomputed_at for r in values)
-        named = ", ".join(f"{r.label} ({format_bytes(r.nbytes)})" for r in values[:_NAMED_PER_MARK])
-        more = f" and {len(values) - _NAMED_PER_MARK} more" if len(values) > _NAMED_PER_MARK else ""
-        where = f"equation {at[0]}" if len(at) == 1 else f"equations {at[0]}..{at[-1]}"
-        title = html.escape(f"{counted(len(values), 'value')} recomputed at {where}: {named}{more}", quote=False)
+        named = _largest([(r.label, r.nbytes) for r in values])
+        title = html.escape(f"{counted(len(values), 'value')} recomputed at {_equations(at)}: {named}", quote=False)
         circle = f'<circle class="recompute" cx="{x(at[0]):.0f}" cy="{_HEIGHT - _PAD - 4}" r="3">'
         marks.append(f"{circle}<title>{title}</title></circle>")
     return marks
@@ -131,15 +128,24 @@ def _svg_marks(plan: Plan, x) -> list[str]:
 def _mark_title(kind: str, steps: list[int], moved: list[int], buffers) -> str:
     """``offload after equation 12: a1 (4 MiB)``, or for a shared mark ``3 offloads after equations
     12..14 (6 MiB): a1 (4 MiB), a2 (1 MiB) and 1 more``."""
-    where = f"{'after' if kind == 'offload' else 'at'} equation{'s' if len(steps) > 1 else ''} "
-    where += f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])
-    largest = sorted(moved, key=lambda b: -buffers[b].nbytes)
-    named = ", ".join(f"{buffers[b].label} ({format_bytes(buffers[b].nbytes)})" for b in largest[:_NAMED_PER_MARK])
+    where = f"{'after' if kind == 'offload' else 'at'} {_equations(steps)}"
+    named = _largest([(buffers[b].label, buffers[b].nbytes) for b in moved])
     if len(moved) == 1:
         return f"{kind} {where}: {named}"
-    more = f" and {len(moved) - _NAMED_PER_MARK} more" if len(moved) > _NAMED_PER_MARK else ""
     total = format_bytes(sum(buffers[b].nbytes for b in moved))
-    return f"{counted(len(moved), kind)} {where} ({total}): {named}{more}"
+    return f"{counted(len(moved), kind)} {where} ({total}): {named}"
+
+
+def _equations(steps: list[int]) -> str:
+    """``equation 12``, or ``equations 12..14`` for more (ascending)."""
+    return f"equations {steps[0]}..{steps[-1]}" if len(steps) > 1 else f"equation {steps[0]}"
+
+
+def _largest(values: list[tuple[str, int]]) -> str:
+    """The largest ``_NAMED_PER_MARK`` of ``(label, bytes)``: ``a1 (4 MiB), a2 (1 MiB) and 1 more``."""
+    largest = sorted(values, key=lambda v: -v[1])
+    named = ", ".join(f"{label} ({format_bytes(nbytes)})" for label, nbytes in largest[:_NAMED_PER_MARK])
+    return named + (f" and {len(values) - _NAMED_PER_MARK} more" if len(values) > _NAMED_PER_MARK else "")
 
 
 def _svg_axes(x, y, n: int, top: float) -> list[str]:

@@ -25,13 +25,12 @@ from typing import Literal
 
 from oocjax.errors import BudgetInfeasibleError
 from oocjax.schedule.cost import simulate_time
-from oocjax.schedule.layer_plan import MOVE_MARGIN, LayerPlan, plan_layers
+from oocjax.schedule.layer_plan import LayerPlan, plan_layers, steadiest
 from oocjax.schedule.moves import Schedule, keep_all
 from oocjax.schedule.profiles import DeviceProfile
 from oocjax.schedule.program import Program
 from oocjax.schedule.recompute import choose_recompute
 from oocjax.schedule.rewrite import Rewrite, identity_rewrite
-from oocjax.schedule.simulate import simulate
 from oocjax.schedule.units import MiB
 from oocjax.schedule.window import plan_window
 
@@ -102,7 +101,7 @@ def plan_hybrid(
     forced, recomputable = _apply_policy(program, recompute, recomputable)
     window = dict(window_bytes=window_bytes, min_offload_bytes=min_offload_bytes)
     in_core = simulate_time(program, keep_all(program), profile).step_time_s
-    if runs and not callable(recompute) and simulate(program, keep_all(program)).peak_bytes > budget_bytes:
+    if runs and not callable(recompute) and max(program.in_core_bytes, default=0) > budget_bytes:
         layered = plan_layers(
             program, runs, budget_bytes, recomputable=recomputable, profile=profile, recompute=recompute, **window
         )
@@ -148,12 +147,7 @@ def _chosen(candidates: list[_Candidate], recompute: RecomputeMode | RecomputePo
     than ``MOVE_MARGIN`` (ties in time go to fewer copies)."""
     if recompute == "always" or callable(recompute):
         return candidates[-1]
-    ordered = sorted(candidates, key=lambda c: (c.moved_bytes, c.time_s, len(c.schedule.moves)))
-    chosen = ordered[0]
-    for candidate in ordered[1:]:
-        if candidate.time_s * (1 + MOVE_MARGIN) < chosen.time_s:
-            chosen = candidate
-    return chosen
+    return steadiest(candidates, lambda c: (c.moved_bytes, c.time_s, len(c.schedule.moves)), lambda c: c.time_s)
 
 
 def _apply_policy(

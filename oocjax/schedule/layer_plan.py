@@ -80,6 +80,13 @@ MOST_PIECES = 4
 MOVE_MARGIN = 0.15
 
 
+def steadiest(candidates: Sequence, order: Callable, cost_s: Callable):
+    """The first of ``candidates`` by ``order`` (fewest bytes moved first), unless another is
+    faster by more than ``MOVE_MARGIN``: then the fastest of those."""
+    chosen = min(candidates, key=order)
+    return min((c for c in candidates if cost_s(c) * (1 + MOVE_MARGIN) < cost_s(chosen)), key=cost_s, default=chosen)
+
+
 @dataclass(frozen=True, slots=True)
 class Layer:
     """One layer: its kind and its runs of steps, ``(start, stop)`` per phase that has one
@@ -467,10 +474,7 @@ def plan_layers(
         found += [best] if best is not None else []
     if not found:
         return None
-    chosen = min(found, key=lambda c: (c.moved_bytes, c.cost_s))
-    chosen = min(
-        [c for c in found if c.cost_s * (1 + MOVE_MARGIN) < chosen.cost_s], key=lambda c: c.cost_s, default=chosen
-    )
+    chosen = steadiest(found, lambda c: (c.moved_bytes, c.cost_s), lambda c: c.cost_s)
     others = tuple((c.policy, c.cost_s, c.moved_bytes) for c in found if c is not chosen)
     plan = dict(policy=chosen.policy, rewrite=chosen.rewrite, schedule=chosen.schedule, step_time_s=chosen.time_s)
     return LayerPlan(**plan, layers=trials.rewritten(chosen.policy)[1], cost_s=chosen.cost_s, alternatives=others)
@@ -504,7 +508,7 @@ class _Trials:
         window = dict(window_bytes=self.window_bytes, min_offload_bytes=self.min_offload_bytes)
         try:
             schedule = layer_schedule(rewrite.program, layers, policy, self.budget_bytes, **window)
-        except (BudgetInfeasibleError, ValueError):
+        except (BudgetInfeasibleError, ValueError):  # a unit over the budget or the window
             return None
         if replay(rewrite.program, schedule)[1]:
             return None
@@ -579,15 +583,16 @@ def replan_layers(
     measured beyond the estimate): with its policy, or where that no longer fits each run whole, the
     first that does of those holding less with the same layers recomputed (``holding_less``), else
     the first that fits at all. Raises ``BudgetInfeasibleError`` where none fits."""
-    window, fitting = dict(window_bytes=window_bytes, min_offload_bytes=min_offload_bytes), []
+    window, fitting, refused = dict(window_bytes=window_bytes, min_offload_bytes=min_offload_bytes), [], []
     for policy in (plan.policy, *plan.policy.holding_less(len(plan.layers))):
         try:
             fitting.append((policy, layer_schedule(program, plan.layers, policy, budget_bytes, **window)))
-        except BudgetInfeasibleError:
+        except BudgetInfeasibleError as error:
+            refused.append(error)
             continue
         if fitting[-1][1].strategy == "layers":
             break
-    if not fitting:  # raises, as none fits
-        layer_schedule(program, plan.layers, plan.policy, budget_bytes, **window)
+    if not fitting:
+        raise refused[0]
     policy, schedule = next((f for f in fitting if f[1].strategy == "layers"), fitting[0])
     return dataclasses.replace(plan, policy=policy, schedule=schedule)

@@ -86,16 +86,12 @@ def estimated_costs(program: Program, segments: Sequence[Segment]) -> tuple[Segm
     """What launching each segment allocates by the planner's own estimate, in place of its compiled
     program's report, for a plan made without compiling (for a device profile): its results, and
     as scratch its estimated peak beyond what it holds and its results, those written in place of
-    its arguments as aliased. A chain of such costs holds
-    the budget by construction; a device that compiles the segments measures them, and may plan again."""
+    its arguments as aliased. A chain of such costs holds the budget by construction; a device that
+    compiles the segments measures them, and may plan again."""
     costs = []
     for segment in segments:
-        outputs, launch = (
-            sum(program.buffers[b].nbytes for b in segment.outputs),
-            segment.estimate_bytes - segment.held_bytes,
-        )
-        # Results written over the arguments they replace (new state over the old) take no more.
-        costs.append(
-            SegmentCost(temp_bytes=max(0, launch - outputs), output_bytes=outputs, alias_bytes=max(0, outputs - launch))
-        )
+        outputs = sum(program.buffers[b].nbytes for b in segment.outputs)
+        scratch = segment.estimate_bytes - segment.held_bytes - outputs
+        # Results beyond the estimate are written over the arguments they replace (new state over the old).
+        costs.append(SegmentCost(temp_bytes=max(0, scratch), output_bytes=outputs, alias_bytes=max(0, -scratch)))
     return tuple(costs)

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from benchmarks.rates import measure_profile
 from oocjax import BudgetInfeasibleError, ooc_jit
 from oocjax.schedule import plan_window, required_bytes, simulate, simulate_time
-from oocjax.schedule.hybrid import MOVE_MARGIN, plan_hybrid
+from oocjax.schedule.hybrid import plan_hybrid
+from oocjax.schedule.layer_plan import MOVE_MARGIN
 from oocjax.schedule.synthetic import layered_training_step
 from oocjax.transforms.recompute import recomputable_steps
 from oocjax.transforms.trace import trace_step
