@@ -215,6 +215,7 @@ def plot(plan: Plan, ax: Any = None, profile: DeviceProfile | str | None = None)
 
 
 _PHASE_COLOURS = {"forward": "#e8f0fa", "backward": "#fbefe3", "optimizer": "#eaf5e9"}
+_CURVE_COLOURS = ("0.55", "tab:blue", "tab:brown")  # in-core, planned, on host
 _HEADROOM = 1.28  # the top of the memory axes over the largest curve: room for phase and layer names
 
 
@@ -222,31 +223,14 @@ def _memory_panel(ax: Any, plan: Plan, regions: StepRegions, *, legend_outside: 
     """Draws the memory view; returns its phase and layer names with their spans' ends, in the
     order they claim room (``_region_names``)."""
     steps = range(len(plan.timeline.device_bytes))
-    ax.step(
-        in_core_steps(plan),  # the program as it runs has recomputing copies among the traced steps
-        [b / MiB for b in plan.baseline_timeline.device_bytes],
-        where="post",
-        color="0.55",
-        label=f"in-core ({format_bytes(plan.baseline_peak_bytes)} peak)",
-    )
-    ax.step(
-        steps,
-        [b / MiB for b in plan.timeline.device_bytes],
-        where="post",
-        color="tab:blue",
-        linewidth=2,
-        label=f"planned ({format_bytes(plan.peak_bytes)} peak)",
-    )
-    if plan.host_peak_bytes:
-        ax.step(
-            steps,
-            [b / MiB for b in plan.timeline.host_bytes],
-            where="post",
-            color="tab:brown",
-            linestyle=":",
-            linewidth=1.5,
-            label=f"on host ({format_bytes(plan.host_peak_bytes)} peak)",
-        )
+    curves = [  # the program as it runs has recomputing copies among the traced steps
+        (in_core_steps(plan), plan.baseline_timeline.device_bytes, "in-core", plan.baseline_peak_bytes, {}),
+        (steps, plan.timeline.device_bytes, "planned", plan.peak_bytes, dict(linewidth=2)),
+        (steps, plan.timeline.host_bytes, "on host", plan.host_peak_bytes, dict(linestyle=":", linewidth=1.5)),
+    ]
+    for (xs, ys, name, peak, style), color in zip(curves[: 2 + (plan.host_peak_bytes > 0)], _CURVE_COLOURS):
+        label = f"{name} ({format_bytes(peak)} peak)"
+        ax.step(xs, [b / MiB for b in ys], where="post", color=color, label=label, **style)
     ax.axhline(plan.budget_bytes / MiB, color="tab:red", linestyle="--", label="budget")
     offloads = [m.after_step for m in plan.schedule.offloads]
     prefetches = [m.issue_step for m in plan.schedule.prefetches]

@@ -118,7 +118,10 @@ def plan_hybrid(
     if recompute != "off" and not (swap is not None and swap.moves_nothing):
         rules = dict(recomputable=recomputable, profile=profile, min_offload_bytes=min_offload_bytes, forced=forced)
         chosen = choose_recompute(program, budget_bytes, **rules)
-        schedule = _plan_or_none(planner, chosen, budget_bytes, window) if chosen.recomputed else None
+        try:
+            schedule = planner(chosen.program, budget_bytes, **window) if chosen.recomputed else None
+        except BudgetInfeasibleError:  # the rewrite lengthened some value's life past what a step can hold
+            schedule = None
         if schedule is not None:
             candidates.append(
                 _Candidate(chosen, schedule, simulate_time(chosen.program, schedule, profile).step_time_s)
@@ -136,10 +139,6 @@ class _Candidate:
     schedule: Schedule
     time_s: float
 
-    @property
-    def moved_bytes(self) -> int:
-        return self.schedule.moved_bytes(self.rewrite.program)
-
 
 def _chosen(candidates: list[_Candidate], recompute: RecomputeMode | RecomputePolicy) -> _Candidate:
     """The candidate ``plan_hybrid`` takes: under ``"always"`` or a policy, the recomputing plan
@@ -147,7 +146,8 @@ def _chosen(candidates: list[_Candidate], recompute: RecomputeMode | RecomputePo
     than ``MOVE_MARGIN`` (ties in time go to fewer copies)."""
     if recompute == "always" or callable(recompute):
         return candidates[-1]
-    return steadiest(candidates, lambda c: (c.moved_bytes, c.time_s, len(c.schedule.moves)), lambda c: c.time_s)
+    order = lambda c: (c.schedule.moved_bytes(c.rewrite.program), c.time_s, len(c.schedule.moves))  # noqa: E731
+    return steadiest(candidates, order, lambda c: c.time_s)
 
 
 def _apply_policy(
@@ -167,11 +167,3 @@ def _apply_policy(
             elif verdict is False:
                 forbidden.add(k)
     return forced, (lambda k: k not in forbidden and recomputable(k))
-
-
-def _plan_or_none(planner: Callable, rewrite: Rewrite, budget_bytes: int, window: dict) -> Schedule | None:
-    """The plan of ``rewrite``'s program, or None where it does not fit."""
-    try:
-        return planner(rewrite.program, budget_bytes, **window)
-    except BudgetInfeasibleError:
-        return None  # the rewrite lengthened some value's life past what a step can hold

@@ -19,7 +19,8 @@ program of units (``ranges.coarse_program``, a unit one step):
 The window planner (``schedule.window``) plans what lies outside the layers (the embedding, the head,
 the loss) on the same units, around the bytes the layers hold there; where a unit does not fit,
 every run of its kind is cut alike (``layer_schedule``). The plan is put back on the steps
-(``ranges.refined``): its segments are the units.
+(``ranges.refined``): its segments are the units. Where copies run beside compute (a GPU's copy
+engines), every copy is then given as long as memory allows (``LayerPolicy.widened``).
 
 ``plan_layers`` tries the ways of keeping parameters and state from the fewest copies up, each with
 the cheapest activations that fit and as many layers relaxed as pay, timed by the simulation
@@ -105,6 +106,7 @@ class LayerPolicy:
     parameters: str = "kept"
     state: str = "kept"
     ahead: int = 1
+    widened: bool = False  # every copy then given as long as memory allows (``_widened``)
 
     def activation(self, i: int, count: int) -> str:
         """What layer ``i`` of ``count`` (in forward order) does with its activations."""
@@ -133,6 +135,7 @@ class LayerPolicy:
         )
         if self.parameters == "fetched" or self.state == "streamed" or ACTIVATIONS[self.activations].offloads:
             rest += f"; copies {self.ahead} unit{'s' * (self.ahead > 1)} ahead" if self.ahead else "; copies where read"
+            rest += ", earlier where memory allows" * self.widened
         groups: dict[tuple[str, str], list[int]] = {}
         for i, kind in enumerate(kinds):
             groups.setdefault((kind, self.activation(i, len(kinds))), []).append(i)
@@ -256,7 +259,8 @@ def layer_schedule(
         for phase, (a, y) in enumerate(layer.runs):
             run_of[a:y] = [(layer.kind, phase, a)] * (y - a)
     edges = {k for k in range(len(program.steps) + 1) if k in (0, len(program.steps)) or None in run_of[k - 1 : k + 1]}
-    bounds = edges | {a for layer in layers for run in layer.runs for a in run}
+    ends = {a for layer in layers for run in layer.runs for a in run}  # where the layers' runs begin and end
+    bounds = edges | ends
     cuts: dict[tuple[str, int], set[int]] = {}  # per kind and phase of run, where in its runs they are cut
 
     def cut(unit: Range) -> bool:  # every run alike cut where this unit of it holds the fewest bytes
@@ -286,7 +290,40 @@ def layer_schedule(
             (s for s in cut_segments(program, schedule, budget_bytes=budget_bytes) if s.start not in starts), None
         )
         if split is None or not cut(next(r for r in ranges if r.start < split.start < r.stop)):
-            return schedule
+            return _widened(program, schedule, budget_bytes, ends | pieces) if policy.widened else schedule
+
+
+def _widened(program: Program, schedule: Schedule, budget_bytes: int, cuts: set[int]) -> Schedule:
+    """``schedule`` with every copy given as long as memory allows, offloads first: each done at a later
+    cut, each prefetch issued at an earlier one (``cuts``: the layers' unit bounds; not the steps outside
+    them, which held copies would keep from merging), every segment within the budget by its estimate."""
+    peak = [0] * len(program.steps)  # per step, its segment's estimate
+    for s in cut_segments(program, schedule, budget_bytes=budget_bytes):
+        peak[s.start : s.stop] = [s.estimate_bytes] * (s.stop - s.start)
+    cuts, moves, done = sorted(cuts), list(schedule.moves), {}
+    fetches = schedule.prefetches_by_buffer
+
+    def widest(at: int, outward: Sequence[int], nbytes: int) -> int:  # the cuts outward, nearest first
+        for k in outward:
+            span = range(min(at, k), max(at, k))
+            if max(peak[j] for j in span) + nbytes > budget_bytes:
+                break
+            peak[span.start : span.stop] = [peak[j] + nbytes for j in span]
+            at = k
+        return at
+
+    for i, m in sorted(enumerate(moves), key=lambda t: isinstance(t[1], Prefetch)):
+        nbytes, reads = program.buffers[m.buffer].nbytes, program.uses.read_at[m.buffer]
+        if isinstance(m, Prefetch):
+            first = max([r + 1 for r in reads if r < m.use_step] + [done.get(m.buffer, 0)])
+            issue = widest(m.issue_step, [k for k in reversed(cuts) if first <= k < m.issue_step], nbytes)
+            moves[i] = dataclasses.replace(m, issue_step=issue)
+        elif m.done_before_step is not None:
+            back = [p.issue_step for p in fetches.get(m.buffer, ()) if p.issue_step > m.after_step]
+            later = [k for k in cuts if m.done_before_step < k <= min(back, default=len(peak) - 1)]
+            done[m.buffer] = widest(m.done_before_step, later, nbytes)
+            moves[i] = dataclasses.replace(m, done_before_step=done[m.buffer])
+    return dataclasses.replace(schedule, moves=tuple(sorted(moves, key=move_order)))
 
 
 def _narrowest(program: Program, start: int, stop: int) -> int:
@@ -457,7 +494,7 @@ def plan_layers(
     # next way (which moves more) only where the last relaxed no layer or not all, and what it frees
     # could relax one more: a layer's activations, or nothing fit at all.
     found: list[_Timed] = []
-    frees = _bytes_freed(program, layers)
+    frees, widened = _bytes_freed(program, layers), trials.profile.copies_overlap_compute
     for parameters, state in (("kept", "kept"), ("kept", "streamed"), ("fetched", "streamed")):
         kept = found and all(found[-1].policy.activation(i, len(layers)) == "kept" for i in range(len(layers)))
         if found and (kept or frees[parameters, state] < frees["activations"]):
@@ -465,7 +502,8 @@ def plan_layers(
         best = None  # the cheapest activations that fit, up to the first that fits each run whole, its copies hidden
         for activation in activations:
             policies = (
-                LayerPolicy(activations=activation, parameters=parameters, state=state, ahead=a) for a in (1, 0)
+                LayerPolicy(activations=activation, parameters=parameters, state=state, ahead=a, widened=widened)
+                for a in (1, 0)
             )
             plan = next(filter(None, (_most_relaxed(p, len(layers), trials.planned) for p in policies)), None)
             best = min(filter(None, [best, plan]), key=lambda c: c.cost_s, default=None)

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from itertools import pairwise
 from operator import attrgetter
 from typing import TYPE_CHECKING, TypeVar
 
@@ -87,12 +86,7 @@ class Schedule:
     def prefetches_by_buffer(self) -> dict[int, tuple[Prefetch, ...]]:
         """The prefetches of each prefetched buffer, in issue order (buffers in the order of their
         first prefetch in ``moves``)."""
-        grouped = _grouped(self.prefetches, _BUFFER)
-        # Most buffers are fetched once or twice: sort only where the order is not already right.
-        return {
-            b: fetches if _in_issue_order(fetches) else tuple(sorted(fetches, key=_ISSUE_STEP))
-            for b, fetches in grouped.items()
-        }
+        return {b: tuple(sorted(fetches, key=_ISSUE_STEP)) for b, fetches in _grouped(self.prefetches, _BUFFER).items()}
 
     @cached_property
     def prefetches_by_issue_step(self) -> dict[int, tuple[Prefetch, ...]]:
@@ -139,10 +133,6 @@ class Schedule:
 _BUFFER, _ISSUE_STEP = attrgetter("buffer"), attrgetter("issue_step")
 
 
-def _in_issue_order(prefetches: tuple[Prefetch, ...]) -> bool:
-    return all(a.issue_step <= b.issue_step for a, b in pairwise(prefetches))
-
-
 def _grouped(moves: Iterable[_M], key: Callable[[_M], int]) -> dict[int, tuple[_M, ...]]:
     groups: dict[int, list[_M]] = {}
     for move in moves:
@@ -150,11 +140,11 @@ def _grouped(moves: Iterable[_M], key: Callable[[_M], int]) -> dict[int, tuple[_
     return {k: tuple(group) for k, group in groups.items()}
 
 
-def move_order(move: Move) -> tuple[int, int]:
-    """Sorts moves by when they start: prefetches at a step's start, offloads after it."""
+def move_order(move: Move) -> tuple[int, int, int]:
+    """Sorts moves by when they start: prefetches at a step's start, first needed first; offloads after it."""
     if isinstance(move, Prefetch):
-        return (move.issue_step, 0)
-    return (move.after_step, 1)
+        return (move.issue_step, 0, move.use_step)
+    return (move.after_step, 1, 0)
 
 
 def keep_all(program: Program, *, budget_bytes: int | None = None, strategy: str = "keep_all") -> Schedule:

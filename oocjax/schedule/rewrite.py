@@ -81,11 +81,6 @@ class Rewrite:
     peak_bytes: int
     postponed_steps: tuple[int, ...] = ()
 
-    @property
-    def saved_peak_bytes(self) -> int:
-        """How much lower the in-core peak is than the original's."""
-        return self.peak_bytes_before - self.peak_bytes
-
 
 def recompute_program(
     program: Program,

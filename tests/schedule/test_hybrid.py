@@ -164,9 +164,8 @@ def test_a_plan_moving_more_bytes_is_taken_only_where_it_is_faster_by_more_than_
     from oocjax.schedule.hybrid import _chosen
 
     def candidate(moved_bytes, time_s):
-        return SimpleNamespace(
-            moved_bytes=moved_bytes, time_s=time_s, schedule=SimpleNamespace(moves=(), host_inputs=())
-        )
+        moves = SimpleNamespace(moves=(), moved_bytes=lambda program: moved_bytes)
+        return SimpleNamespace(rewrite=SimpleNamespace(program=None), time_s=time_s, schedule=moves)
 
     fewer, many_more = candidate(8 * MiB, 0.0279), candidate(4 * 8 * MiB, 0.0269)  # 4% faster: not enough
     assert _chosen([fewer, many_more], "auto") is fewer

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from oocjax.schedule import MiB, replay, simulate
+from oocjax.schedule import MiB, Offload, replay, simulate
 from oocjax.schedule.layer_plan import (
     LayerPlan,
     LayerPolicy,
@@ -18,6 +18,7 @@ from oocjax.schedule.layer_plan import (
     plan_layers,
     replan_layers,
 )
+from oocjax.schedule.segments import cut_segments
 from oocjax.schedule.synthetic import layered_training_step
 
 LAYERS, OPS = 4, 4
@@ -151,13 +152,39 @@ def test_copies_are_issued_and_waited_for_where_units_begin():
     assert schedule.copy_steps <= schedule.segment_starts
 
 
-def test_ahead_issues_a_layers_fetch_while_the_run_before_it_runs():
-    program, schedule, layers = planned(parameters="fetched", state="streamed", ahead=1)
-    now = planned(parameters="fetched", state="streamed", ahead=0)[1]
-    params = labelled(program, "params[2]")
-    (fetch, *_), (same, *_) = schedule.prefetches_by_buffer[params], now.prefetches_by_buffer[params]
-    assert fetch.use_step == same.use_step == layers[2].runs[0][0]
-    assert fetch.issue_step == layers[1].runs[0][0] and same.issue_step == layers[2].runs[0][0]
+def test_with_memory_to_spare_a_widened_fetch_is_issued_once_its_last_read_before_is_done():
+    program, schedule, layers = planned(parameters="fetched", state="streamed", widened=True)
+    forward, backward, _ = schedule.prefetches_by_buffer[labelled(program, "params[2]")]
+    assert forward.issue_step == 0 and backward.issue_step == layers[2].runs[0][1]
+
+
+@pytest.mark.parametrize("share", [1.0, 0.9])
+def test_a_copy_is_given_no_more_time_only_where_one_cut_more_would_exceed_the_budget(share):
+    policy = dict(parameters="fetched", state="streamed", activations="offloaded", widened=True)
+    roomy = planned(**policy)
+    budget = int(simulate(roomy[0], roomy[1]).peak_bytes * share)
+    program, schedule, layers = planned(budget, **policy)
+    device = [0] * len(program.steps)
+    cuts = sorted(k for k in schedule.segment_starts if any(a <= k <= y for layer in layers for a, y in layer.runs))
+    for segment in cut_segments(program, schedule, budget_bytes=budget):  # per step, its segment's estimate
+        device[segment.start : segment.stop] = [segment.estimate_bytes] * (segment.stop - segment.start)
+    reads = program.uses.read_at
+    for m in schedule.moves:
+        nbytes = program.buffers[m.buffer].nbytes
+        if isinstance(m, Offload):
+            if m.done_before_step is None:
+                continue
+            refetched = [
+                p.issue_step for p in schedule.prefetches_by_buffer.get(m.buffer, ()) if p.issue_step > m.after_step
+            ]
+            later = [k for k in cuts if m.done_before_step < k <= min(refetched, default=len(device) - 1)]
+            span = range(m.done_before_step, later[0]) if later else None
+        else:
+            done = schedule.offload_by_buffer.get(m.buffer)
+            first = max([r + 1 for r in reads[m.buffer] if r < m.use_step] + [done.done_before_step if done else 0])
+            earlier = [k for k in cuts if first <= k < m.issue_step]
+            span = range(earlier[-1], m.issue_step) if earlier else None
+        assert span is None or max(device[k] for k in span) + nbytes > budget, m
 
 
 def test_where_a_run_does_not_fit_whole_every_run_of_its_kind_is_cut_alike():
@@ -197,3 +224,9 @@ def test_a_plan_made_again_with_more_scratch_holds_less_with_the_same_layers_rec
     again = replan_layers(scratch, plan, 160 * MiB)
     assert again.policy.activations == "input offloaded" and again.policy.relaxed < LAYERS
     assert again.schedule.moves and not replay(scratch, again.schedule)[1]
+
+
+@pytest.mark.parametrize(("profile", "widened"), [("cpu", False), ("h100-pcie", True)])
+def test_copies_are_given_more_time_only_where_they_run_beside_compute(profile, widened):
+    plan = plan_layers(PROGRAM, RUNS, 160 * MiB, recomputable=recomputable, profile=profile)
+    assert plan.policy.widened is widened
