@@ -259,8 +259,7 @@ def layer_schedule(
         for phase, (a, y) in enumerate(layer.runs):
             run_of[a:y] = [(layer.kind, phase, a)] * (y - a)
     edges = {k for k in range(len(program.steps) + 1) if k in (0, len(program.steps)) or None in run_of[k - 1 : k + 1]}
-    ends = {a for layer in layers for run in layer.runs for a in run}  # where the layers' runs begin and end
-    bounds = edges | ends
+    bounds = edges | {a for layer in layers for run in layer.runs for a in run}
     cuts: dict[tuple[str, int], set[int]] = {}  # per kind and phase of run, where in its runs they are cut
 
     def cut(unit: Range) -> bool:  # every run alike cut where this unit of it holds the fewest bytes
@@ -290,17 +289,18 @@ def layer_schedule(
             (s for s in cut_segments(program, schedule, budget_bytes=budget_bytes) if s.start not in starts), None
         )
         if split is None or not cut(next(r for r in ranges if r.start < split.start < r.stop)):
-            return _widened(program, schedule, budget_bytes, ends | pieces) if policy.widened else schedule
+            return _widened(program, schedule, budget_bytes, layers) if policy.widened else schedule
 
 
-def _widened(program: Program, schedule: Schedule, budget_bytes: int, cuts: set[int]) -> Schedule:
+def _widened(program: Program, schedule: Schedule, budget_bytes: int, layers: Sequence[Layer]) -> Schedule:
     """``schedule`` with every copy given as long as memory allows, offloads first: each done at a later
-    cut, each prefetch issued at an earlier one (``cuts``: the layers' unit bounds; not the steps outside
-    them, which held copies would keep from merging), every segment within the budget by its estimate."""
-    peak = [0] * len(program.steps)  # per step, its segment's estimate
+    cut, each prefetch issued at an earlier one (cuts: where its segments start), every segment of the
+    layers within the budget by its estimate; none across steps outside them, which the copies would keep apart."""
+    peak = [budget_bytes] * len(program.steps)  # per step, its segment's estimate; outside the layers, full
     for s in cut_segments(program, schedule, budget_bytes=budget_bytes):
-        peak[s.start : s.stop] = [s.estimate_bytes] * (s.stop - s.start)
-    cuts, moves, done = sorted(cuts), list(schedule.moves), {}
+        if any(a <= s.start and s.stop <= y for layer in layers for a, y in layer.runs):
+            peak[s.start : s.stop] = [s.estimate_bytes] * (s.stop - s.start)
+    cuts, moves, done = sorted(schedule.copy_steps | schedule.segment_starts), list(schedule.moves), {}
     fetches = schedule.prefetches_by_buffer
 
     def widest(at: int, outward: Sequence[int], nbytes: int) -> int:  # the cuts outward, nearest first
