@@ -45,7 +45,7 @@ from oocjax.schedule.profiles import DeviceProfile, resolve_profile
 from oocjax.schedule.program import Program
 from oocjax.schedule.ranges import BOUNDARY_BYTES, Range, coarse_program, refined
 from oocjax.schedule.rewrite import Rewrite, identity_rewrite, recompute_program, runs_after
-from oocjax.schedule.segments import cut_segments
+from oocjax.schedule.segments import Segment, cut_segments
 from oocjax.schedule.simulate import replay
 from oocjax.schedule.units import MiB, format_bytes
 from oocjax.schedule.window import plan_window
@@ -285,19 +285,19 @@ def layer_schedule(
         schedule = units.joined(program, others, ranges, "layers in pieces" if cuts else "layers")
         # A unit that fits as one step of the units may still not as a segment: then cut alike too.
         starts = {r.start for r in ranges}
-        split = next(
-            (s for s in cut_segments(program, schedule, budget_bytes=budget_bytes) if s.start not in starts), None
-        )
+        segments = cut_segments(program, schedule, budget_bytes=budget_bytes)
+        split = next((s for s in segments if s.start not in starts), None)
         if split is None or not cut(next(r for r in ranges if r.start < split.start < r.stop)):
-            return _widened(program, schedule, budget_bytes, layers) if policy.widened else schedule
+            return _widened(program, schedule, budget_bytes, layers, segments) if policy.widened else schedule
 
 
-def _widened(program: Program, schedule: Schedule, budget_bytes: int, layers: Sequence[Layer]) -> Schedule:
-    """``schedule`` with every copy given as long as memory allows, offloads first: each done at a later
-    cut, each prefetch issued at an earlier one (cuts: where its segments start), every segment of the
-    layers within the budget by its estimate; none across steps outside them, which the copies would keep apart."""
+def _widened(
+    program: Program, schedule: Schedule, budget_bytes: int, layers: Sequence[Layer], segments: Sequence[Segment]
+) -> Schedule:
+    """``schedule`` with each copy given as long as memory allows, offloads first, every one of the layers'
+    ``segments`` (its ``cut_segments``) within the budget; not across steps outside them: copies keep those apart."""
     peak = [budget_bytes] * len(program.steps)  # per step, its segment's estimate; outside the layers, full
-    for s in cut_segments(program, schedule, budget_bytes=budget_bytes):
+    for s in segments:
         if any(a <= s.start and s.stop <= y for layer in layers for a, y in layer.runs):
             peak[s.start : s.stop] = [s.estimate_bytes] * (s.stop - s.start)
     cuts, moves, done = sorted(schedule.copy_steps | schedule.segment_starts), list(schedule.moves), {}
