@@ -37,6 +37,7 @@ from oocjax.schedule import (
     Schedule,
     SettledPlan,
     chain_of,
+    cut_and_probes,
     cut_segments,
     estimated_costs,
     format_bytes,
@@ -47,10 +48,10 @@ from oocjax.schedule import (
     required_bytes,
     runs_after,
     simulate,
-    unfitted_ranges,
     with_measured_scratch,
     with_probed_scratch,
 )
+from oocjax.schedule.gc_paused import gc_paused
 from oocjax.seams import Seams, published_profile
 from oocjax.timings import Timings
 from oocjax.transforms.functions import segment_functions
@@ -110,7 +111,8 @@ class StepPlanner:
         self.local_copies = 1 if traced.layout is None else len(traced.layout.replicated.addressable_devices)
         self.compiled, self.runtime_replans = {}, 0  # programs by key, shared by every plan; re-plans after calls
         self.budget = Budget(user_bytes=budget_bytes, headroom_bytes=options.headroom_bytes)
-        self.built = self._build(self.budget, timings or Timings())
+        with gc_paused():
+            self.built = self._build(self.budget, timings or Timings())
 
     def after_call(self, measured_peak_bytes: int | None) -> str | None:
         """After a call: if the device measured it over the budget (the allocator's overhead, which no
@@ -192,10 +194,9 @@ class StepPlanner:
         )
         attempts: list[Attempt] = []
         while True:
-            choice, program, schedule, timeline, cut = self._cut(
+            choice, program, schedule, timeline, cut, segments = self._cut(
                 choice, program, schedule, timeline, cut, rewritten, budget, timings
             )
-            segments = cut_segments(program, schedule, cut)
             chain = chain_of(program, schedule, segments, rewritten.flat.result_buffers)
             refuse_invalid("chain of segments", self.seams.check_chain(program, chain))
             refuse_tokens_between(segments, rewritten.flat.avals)
@@ -240,20 +241,19 @@ class StepPlanner:
 
     def _cut(self, choice, program, schedule, timeline, cut: CutOptions, rewritten: Rewritten, budget: Budget, timings):
         """Before the plan is cut: the ranges the estimate cuts but that might fit whole
-        (``unfitted_ranges``) are compiled whole and measured (``cut.measured`` keeps what they
+        (``cut_and_probes``) are compiled whole and measured (``cut.measured`` keeps what they
         allocate). Where one measured over the budget only with what the plan holds when it
         starts, the step is planned again once, its peak shown to the planner on the step that held
         the most (``with_probed_scratch``): less is then held there and it runs whole, as the
         layers alike do, rather than in pieces that each compile (a 4-layer decoder's top backward
-        layer, 7 KB over, was two more programs). Returns the plan to cut, and how."""
+        layer, 7 KB over, was two more programs). Returns the plan, how it is cut, and its segments."""
         check_host_peak(timeline.host_peak_bytes, self.host_limit, self.local_copies)
         for replan in (True, False):
-            # A profile's plan measures nothing: a probe would only repeat the estimate.
-            segments = cut_segments(program, schedule, cut)
+            segments, probes = cut_and_probes(program, schedule, cut)
+            probes = probes if self.profile is None else {}  # a profile's plan: a probe would repeat the estimate
             refuse_tokens_between(segments, rewritten.flat.avals)
-            probes = {} if self.profile is not None else unfitted_ranges(program, schedule, segments, cut)
             if not probes:
-                break
+                return choice, program, schedule, timeline, cut, segments
             # The plan's own segments compile beside the probes, in parallel: where the probes fit,
             # the plan runs them as they are, compiled already.
             costs = self._compiled(rewritten, (*probes.values(), *segments), program, budget, timings, "probe")[2]
@@ -267,7 +267,7 @@ class StepPlanner:
                 program, timeline = learnt, self._replayed(learnt, schedule)
             except OocError:
                 break
-        return choice, program, schedule, timeline, cut
+        return choice, program, schedule, timeline, cut, cut_segments(program, schedule, cut)
 
     def _compiled(self, rewritten: Rewritten, segments, program: Program, budget: Budget | None, timings, what=""):
         """Per segment its function, its program compiled (into ``self.compiled``, sharing where

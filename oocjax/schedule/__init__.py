@@ -15,7 +15,7 @@ from oocjax.schedule.profiles import DEFAULT_PROFILE, PROFILES, DeviceProfile, p
 from oocjax.schedule.program import Buffer, Program, Stay, Step, Uses
 from oocjax.schedule.recompute import choose_recompute
 from oocjax.schedule.rewrite import Rewrite, recompute_program, runs_after
-from oocjax.schedule.segments import CutOptions, Segment, SegmentCost, cut_segments, unfitted_ranges
+from oocjax.schedule.segments import CutOptions, Segment, SegmentCost, cut_and_probes, cut_segments
 from oocjax.schedule.settled import SettledPlan
 from oocjax.schedule.simulate import MemoryTimeline, Violation, replay, simulate, validate
 from oocjax.schedule.units import MiB, format_bytes, parse_bytes
@@ -53,6 +53,7 @@ __all__ = [
     "check_feasible",
     "check_segments",
     "choose_recompute",
+    "cut_and_probes",
     "cut_segments",
     "estimated_costs",
     "executed_peak",
@@ -73,7 +74,6 @@ __all__ = [
     "runs_after",
     "simulate",
     "simulate_time",
-    "unfitted_ranges",
     "validate",
     "with_measured_scratch",
     "with_probed_scratch",

@@ -391,7 +391,7 @@ class _UnitPlan:
                 held[made + 1] += coarse.buffers[new].nbytes
         rest = Program(
             steps=tuple(
-                dataclasses.replace(s, transient_bytes=s.transient_bytes + h)
+                dataclasses.replace(s, transient_bytes=s.transient_bytes + h) if h else s
                 for s, h in zip(coarse.steps, accumulate(held))
             ),
             buffers=tuple(dataclasses.replace(x, nbytes=0) if b in owned else x for b, x in enumerate(coarse.buffers)),

@@ -49,7 +49,7 @@ def with_measured_scratch(
 def with_probed_scratch(
     program: Program, schedule: Schedule, probes: Sequence[Segment], launches: Sequence[int], budget_bytes: int
 ) -> Program | None:
-    """``program`` with scratch that makes each probed range (``unfitted_ranges``) that measured over
+    """``program`` with scratch that makes each probed range (``cut_and_probes``) that measured over
     the budget show its measured peak, what it holds at launch and what launching it allocates,
     on the step of the range where the plan has the most on the device: planned again, the
     planner frees the bytes over the budget there, before the range starts where what it frees is

@@ -100,10 +100,9 @@ def coarse_program(program: Program, ranges: list[Range]) -> tuple[Program, tupl
         | {b for b, buffer in enumerate(buffers) if buffer.kind != "computed"}
     )
     new = {b: i for i, b in enumerate(kept)}
-    coarse_buffers = tuple(
-        replace(buffers[b], aliased_input=None if buffers[b].aliased_input is None else new[buffers[b].aliased_input])
-        for b in kept
-    )
+    olds = (buffers[b] for b in kept)  # one no output replaces: the same record
+    renumbered = lambda x: replace(x, aliased_input=new[x.aliased_input])  # noqa: E731
+    coarse_buffers = tuple(x if x.aliased_input is None else renumbered(x) for x in olds)
     return Program(
         steps=tuple(
             Step(

@@ -19,7 +19,7 @@ A segment trades timing fidelity for dispatch cost, and memory for both:
   in halves until it fits (a one-step segment is the per-step model, which the plan fits).
   That count adds values up step by step, where XLA reuses memory inside a program: a range the
   estimate splits but that might fit whole is compiled whole and measured first
-  (``unfitted_ranges``), and stays whole where its program measured within the budget.
+  (``cut_and_probes``), and stays whole where its program measured within the budget.
 * **Cost.** A segment whose work is under ``min_segment_flops`` is merged with the next one where
   no offload would have to be waited for inside it and the merged segment still fits: launching a
   program costs tens of microseconds, which small segments cannot hide. A prefetch the merge leaves
@@ -32,7 +32,7 @@ puts the segments in the order they run and checks that they run at all.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import accumulate, pairwise
 
@@ -316,12 +316,12 @@ class _Segmenter:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CutOptions:
-    """How a planned program is cut (``cut_segments``, ``unfitted_ranges``): every segment fits
+    """How a planned program is cut (``cut_segments``, ``cut_and_probes``): every segment fits
     ``budget_bytes``; one with less work than ``min_segment_flops`` joins the next where that
     fits; ``min_segments`` at least; ``cut_before`` steps start one; ``layers`` alike start
     segments, to share programs (``layer_groups``); ``copies`` (``(original, copy)`` steps) never
     share one; ``measured``: ``(segment_signature, launch bytes)`` of ranges compiled whole
-    (``unfitted_ranges``), which stay whole where they measured to fit."""
+    (``cut_and_probes``), which stay whole where they measured to fit."""
 
     budget_bytes: int
     min_segment_flops: int = 0
@@ -343,10 +343,39 @@ def cut_segments(program: Program, schedule: Schedule, cut: CutOptions | None = 
     [(0, 2, (0,), (2,))]
     """
     cut = cut or CutOptions(**options)
+    return _cut(_Segmenter(program, schedule), cut, *_bounds(program, schedule, cut)) if program.steps else ()
+
+
+def cut_and_probes(program: Program, schedule: Schedule, cut: CutOptions) -> tuple[tuple[Segment, ...], dict]:
+    """``cut_segments``, and the ranges between ``cut``'s bounds that those segments cut into pieces
+    by the estimate and that might fit whole, or keep whole and that might not (``PROBE_SLACK``
+    either way), each as one segment by its ``segment_signature``, one per signature not in
+    ``cut.measured``: to compile and measure, then plan or cut again with what they measured. On
+    the 4-layer decoder of ``examples/decoders.py`` at 30% of its in-core peak, a layer's backward
+    pass estimated at 7.40 MB measured 6.28 MB (two of the four backward layers were cut into 6
+    and 10 pieces by the estimate, each a program to compile); planned by layer, a backward layer
+    with its update measured 3% over its estimate of 7.10 MB."""
     if not program.steps:
-        return ()
-    cutter = _Segmenter(program, schedule)
-    bounds, hard = _bounds(program, schedule, cut)
+        return (), {}
+    cutter, (bounds, hard) = _Segmenter(program, schedule), _bounds(program, schedule, cut)
+    segments = _cut(cutter, cut, bounds, hard)
+    if cut.min_segments > 1:
+        return segments, {}  # cut for a count: as the estimate says
+    whole, probes = {(s.start, s.stop) for s in segments}, {}
+    original_of, measured = dict((c, o) for o, c in cut.copies), dict(cut.measured)
+    for a, y in pairwise(bounds):
+        if not cutter.fits_as_one(a, y) or _mixes(a, y, original_of):
+            continue
+        held, estimate = cutter.estimate(a, y)
+        low, high = (held + (1 + d) * (estimate - held) for d in (-PROBE_SLACK, PROBE_SLACK))
+        if (low <= cut.budget_bytes < estimate) if (a, y) not in whole else (estimate <= cut.budget_bytes < high):
+            signature = segment_signature(program, a, y)
+            if signature not in measured:
+                probes.setdefault(signature, cutter.segment(a, y, None))
+    return segments, probes
+
+
+def _cut(cutter: _Segmenter, cut: CutOptions, bounds: list[int], hard: frozenset[int]) -> tuple[Segment, ...]:
     original_of, measured, budget_bytes = dict((c, o) for o, c in cut.copies), dict(cut.measured), cut.budget_bytes
 
     def split(a: int, y: int) -> list[tuple[int, int]]:
@@ -367,32 +396,6 @@ def cut_segments(program: Program, schedule: Schedule, cut: CutOptions | None = 
         ranges = _merge_small(cutter, ranges, budget_bytes, cut.min_segment_flops, hard, original_of)
     starts = [None, *(a for a, _ in ranges)]
     return tuple(cutter.segment(a, y, previous) for (a, y), previous in zip(ranges, starts))
-
-
-def unfitted_ranges(program: Program, schedule: Schedule, segments: Sequence[Segment], cut: CutOptions) -> dict:
-    """The ranges between ``cut``'s bounds that ``segments`` cut into pieces by the estimate and
-    that might fit whole, or keep whole and that might not (``PROBE_SLACK`` either way), each as
-    one segment by its ``segment_signature``, one per signature not in ``cut.measured``: to compile
-    and measure, then plan or cut again with what they measured. On the 4-layer decoder of
-    ``examples/decoders.py`` at 30% of its in-core peak, a layer's backward pass estimated at 7.40
-    MB measured 6.28 MB (two of the four backward layers were cut into 6 and 10 pieces by the
-    estimate, each a program to compile); planned by layer, a backward layer with its update
-    measured 3% over its estimate of 7.10 MB."""
-    if cut.min_segments > 1:
-        return {}  # cut for a count: as the estimate says
-    cutter, whole, probes = _Segmenter(program, schedule), {(s.start, s.stop) for s in segments}, {}
-    bounds, _ = _bounds(program, schedule, cut)
-    original_of, measured = dict((c, o) for o, c in cut.copies), dict(cut.measured)
-    for a, y in pairwise(bounds):
-        if not cutter.fits_as_one(a, y) or _mixes(a, y, original_of):
-            continue
-        held, estimate = cutter.estimate(a, y)
-        low, high = (held + (1 + d) * (estimate - held) for d in (-PROBE_SLACK, PROBE_SLACK))
-        if (low <= cut.budget_bytes < estimate) if (a, y) not in whole else (estimate <= cut.budget_bytes < high):
-            signature = segment_signature(program, a, y)
-            if signature not in measured:
-                probes.setdefault(signature, cutter.segment(a, y, None))
-    return probes
 
 
 def _bounds(program: Program, schedule: Schedule, cut: CutOptions) -> tuple[list[int], frozenset[int]]:
@@ -440,12 +443,13 @@ def _merge_small(
     for a, y in ranges[1:]:
         start, stop = merged[-1]
         small = cutter.flops(start, stop) < min_flops or cutter.flops(a, y) < min_flops
-        fits = (
-            not (original_of and _mixes(start, y, original_of))
+        if (
+            small
+            and a not in hard
+            and not (original_of and _mixes(start, y, original_of))
             and cutter.fits_as_one(start, y)
             and cutter.estimate(start, y)[1] <= budget
-        )
-        if small and a not in hard and fits:
+        ):
             merged[-1] = (start, y)
         else:
             merged.append((a, y))

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from oocjax.schedule import Buffer, Program, Step, keep_all, simulate
-from oocjax.schedule.gc_paused import gc_paused
 from oocjax.transforms import compat as jc
 from oocjax.transforms.flat import FlatEquation, FlatProgram
 from oocjax.transforms.flatten import flatten
@@ -177,5 +176,4 @@ def to_program(
 ) -> Program:
     """The planner's program for a flattened step. Arguments are labelled ``argument <input label>``,
     results by their ``output_labels`` (``result[0]['w']``), other values by ``_Analysis.value_label``."""
-    with gc_paused():
-        return _Analysis().program(flat, input_labels=input_labels, donated=donated, output_labels=output_labels)
+    return _Analysis().program(flat, input_labels=input_labels, donated=donated, output_labels=output_labels)

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oocjax.schedule.gc_paused import gc_paused
 from oocjax.transforms import compat as jc
 from oocjax.transforms.flat import FlatEquation, FlatProgram, LoopInfo, Ref
 from oocjax.transforms.rules import registered_rule
@@ -30,19 +29,18 @@ def flatten(closed: jc.ClosedJaxpr, *, unroll: bool = True, max_unrolled: int | 
     unrolled, ``MAX_UNROLLED_EQUATIONS`` by default), gives every value a buffer id, and drops dead
     code (``without_dead_code``)."""
     flattener = _Flattener(unroll, MAX_UNROLLED_EQUATIONS if max_unrolled is None else max_unrolled)
-    with gc_paused():
-        arguments = [flattener.new(var.aval) for var in closed.jaxpr.invars]
-        outputs = [flattener.materialize(r) for r in flattener.inline(closed.jaxpr, closed.consts, arguments)]
-        flat = FlatProgram(
-            equations=tuple(flattener.equations),
-            avals=tuple(flattener.avals),
-            num_inputs=len(arguments),
-            constants=tuple(flattener.constants),
-            outputs=tuple(outputs),
-            loops=tuple(flattener.loops),
-            result_names=tuple(sorted(flattener.result_names.items())),
-        )
-        return without_dead_code(flat)
+    arguments = [flattener.new(var.aval) for var in closed.jaxpr.invars]
+    outputs = [flattener.materialize(r) for r in flattener.inline(closed.jaxpr, closed.consts, arguments)]
+    flat = FlatProgram(
+        equations=tuple(flattener.equations),
+        avals=tuple(flattener.avals),
+        num_inputs=len(arguments),
+        constants=tuple(flattener.constants),
+        outputs=tuple(outputs),
+        loops=tuple(flattener.loops),
+        result_names=tuple(sorted(flattener.result_names.items())),
+    )
+    return without_dead_code(flat)
 
 
 def without_dead_code(flat: FlatProgram) -> FlatProgram:

@@ -87,24 +87,19 @@ def four_steps() -> Program:
 
 def test_a_range_the_estimate_cuts_but_might_fit_is_offered_whole_to_be_measured():
     from oocjax.schedule.layer_cuts import segment_signature
-    from oocjax.schedule.segments import CutOptions, unfitted_ranges
+    from oocjax.schedule.segments import CutOptions, cut_and_probes
 
     program = four_steps()
     plan = keep_all(program)
-    cut = cut_segments(program, plan, budget_bytes=9 * MiB)
+    cut, probes = cut_and_probes(program, plan, CutOptions(budget_bytes=9 * MiB))
     assert len(cut) > 1  # 10 MiB by the estimate
-    probes = unfitted_ranges(program, plan, cut, CutOptions(budget_bytes=9 * MiB))
+    assert cut == cut_segments(program, plan, budget_bytes=9 * MiB)
     assert [(s.start, s.stop) for s in probes.values()] == [(0, 4)]
     assert list(probes) == [segment_signature(program, 0, 4)]
     # Measured once, it is not offered again; and where it would not fit even a quarter lower, never.
-    assert (
-        unfitted_ranges(
-            program, plan, cut, CutOptions(budget_bytes=9 * MiB, measured=tuple(dict.fromkeys(probes, 8 * MiB).items()))
-        )
-        == {}
-    )
-    far = cut_segments(program, plan, budget_bytes=7 * MiB)
-    assert unfitted_ranges(program, plan, far, CutOptions(budget_bytes=7 * MiB)) == {}
+    measured = tuple(dict.fromkeys(probes, 8 * MiB).items())
+    assert cut_and_probes(program, plan, CutOptions(budget_bytes=9 * MiB, measured=measured))[1] == {}
+    assert cut_and_probes(program, plan, CutOptions(budget_bytes=7 * MiB))[1] == {}
 
 
 def test_a_range_whose_program_measured_within_the_budget_stays_one_segment():
