@@ -111,8 +111,7 @@ class StepPlanner:
         self.local_copies = 1 if traced.layout is None else len(traced.layout.replicated.addressable_devices)
         self.compiled, self.runtime_replans = {}, 0  # programs by key, shared by every plan; re-plans after calls
         self.budget = Budget(user_bytes=budget_bytes, headroom_bytes=options.headroom_bytes)
-        with gc_paused():
-            self.built = self._build(self.budget, timings or Timings())
+        self.built = self._build(self.budget, timings or Timings())
 
     def after_call(self, measured_peak_bytes: int | None) -> str | None:
         """After a call: if the device measured it over the budget (the allocator's overhead, which no
@@ -144,6 +143,7 @@ class StepPlanner:
             return f"{message}; a plan with {format_bytes(headroom)} of headroom fails: {error}"
         return f"{message}; planned again with {format_bytes(headroom)} of headroom"
 
+    @gc_paused()  # planning makes many small objects, few in cycles, beside the tracer's
     def _build(self, budget: Budget, timings: Timings) -> BuiltStep:
         """The step's plan and chain for ``budget``: read from the plan cache where an earlier
         process made them (``oocjax.plan_cache``), else made (``_make``) and stored there."""

@@ -355,12 +355,10 @@ def cut_and_probes(program: Program, schedule: Schedule, cut: CutOptions) -> tup
     pass estimated at 7.40 MB measured 6.28 MB (two of the four backward layers were cut into 6
     and 10 pieces by the estimate, each a program to compile); planned by layer, a backward layer
     with its update measured 3% over its estimate of 7.10 MB."""
-    if not program.steps:
-        return (), {}
     cutter, (bounds, hard) = _Segmenter(program, schedule), _bounds(program, schedule, cut)
-    segments = _cut(cutter, cut, bounds, hard)
-    if cut.min_segments > 1:
-        return segments, {}  # cut for a count: as the estimate says
+    segments = _cut(cutter, cut, bounds, hard) if program.steps else ()
+    if cut.min_segments > 1 or not segments:  # cut for a count: as the estimate says
+        return segments, {}
     whole, probes = {(s.start, s.stop) for s in segments}, {}
     original_of, measured = dict((c, o) for o, c in cut.copies), dict(cut.measured)
     for a, y in pairwise(bounds):

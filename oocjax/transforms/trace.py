@@ -63,27 +63,27 @@ def trace_step(
     return trace_arguments(spec, args, kwargs)
 
 
+@gc_paused()  # tracing and analysing make many small objects, few in cycles
 def trace_arguments(
     spec: ArgumentSpec, args: tuple, kwargs: dict, *, reorder: bool = True, max_unrolled: int | None = None
 ) -> TracedStep:
     """``trace_step`` for arguments already split by an ``ArgumentSpec``; where ``reorder``, the
     optimizer's updates after their gradients where the state is donated, else grouped by layer
     (``transforms.reorder``). ``max_unrolled``: ``flatten``'s, for the scans it unrolls."""
-    with gc_paused():  # tracing and analysing allocate many small objects, few of them in cycles
-        paths_leaves = jax.tree_util.tree_flatten_with_path(spec.dynamic(args, kwargs))[0]
-        arguments = [x for _, x in paths_leaves]
-        check_one_mesh(arguments, [spec.label(path, len(args)) for path, _ in paths_leaves])
-        spec_args, spec_kwargs = spec.device_specs(args, kwargs)
-        traced = jax.jit(spec.fun, **spec.jit_kwargs).trace(*spec_args, **spec_kwargs)
-        leaves = jax.tree_util.tree_flatten_with_path(traced.args_info)[0]
-        labels = [spec.label(path, len(args)) for path, _ in leaves]
-        donated = tuple(info.donated for _, info in leaves)
-        results = jax.tree_util.tree_flatten_with_path(traced.out_info)[0]
-        output_labels = [f"result{jax.tree_util.keystr(path)}" for path, _ in results]
-        flat = flatten(traced.jaxpr, max_unrolled=max_unrolled)
-        flat = reorder_tail(flat, donated) if reorder else flat
-        program = to_program(flat, input_labels=labels, donated=donated, output_labels=output_labels)
-        layout = step_layout(flat, arguments) if is_sharded(arguments, flat) else None
-        if layout is not None:
-            program = per_device_sizes(program, flat, layout)  # the budget is per device
-        return TracedStep(traced.jaxpr, flat, program, jax.tree.structure(traced.out_info), donated, layout)
+    paths_leaves = jax.tree_util.tree_flatten_with_path(spec.dynamic(args, kwargs))[0]
+    arguments = [x for _, x in paths_leaves]
+    check_one_mesh(arguments, [spec.label(path, len(args)) for path, _ in paths_leaves])
+    spec_args, spec_kwargs = spec.device_specs(args, kwargs)
+    traced = jax.jit(spec.fun, **spec.jit_kwargs).trace(*spec_args, **spec_kwargs)
+    leaves = jax.tree_util.tree_flatten_with_path(traced.args_info)[0]
+    labels = [spec.label(path, len(args)) for path, _ in leaves]
+    donated = tuple(info.donated for _, info in leaves)
+    results = jax.tree_util.tree_flatten_with_path(traced.out_info)[0]
+    output_labels = [f"result{jax.tree_util.keystr(path)}" for path, _ in results]
+    flat = flatten(traced.jaxpr, max_unrolled=max_unrolled)
+    flat = reorder_tail(flat, donated) if reorder else flat
+    program = to_program(flat, input_labels=labels, donated=donated, output_labels=output_labels)
+    layout = step_layout(flat, arguments) if is_sharded(arguments, flat) else None
+    if layout is not None:
+        program = per_device_sizes(program, flat, layout)  # the budget is per device
+    return TracedStep(traced.jaxpr, flat, program, jax.tree.structure(traced.out_info), donated, layout)
