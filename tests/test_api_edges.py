@@ -1,11 +1,14 @@
 """ooc_jit's edges behave as jax.jit's do on the same input, and its own options read as the budget does."""
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from oocjax import ooc_jit
+from oocjax.errors import BudgetInfeasibleError
 from tests.support.seams import capture_stages, plans_made
 
 X = jnp.arange(8.0)
@@ -95,3 +98,17 @@ def test_a_static_argument_passed_by_position_then_by_keyword_is_planned_once(ca
     assert plans_made(caplog) == 1
     step(X, 4)  # another static value is another signature
     assert plans_made(caplog) == 2
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_tracing_and_planning_leave_the_cyclic_collector_as_the_caller_had_it(collecting):
+    # The trace and the build pause it while they run, also where the plan is refused.
+    (gc.enable if collecting else gc.disable)()
+    try:
+        assert float(ooc_jit(scaled_sum, budget="1GiB")(X, 3.0)) == 84.0
+        assert gc.isenabled() is collecting
+        with pytest.raises(BudgetInfeasibleError, match="too small"):
+            ooc_jit(lambda x: jnp.outer(x, x).sum(), budget=64)(X)
+        assert gc.isenabled() is collecting
+    finally:
+        gc.enable()
