@@ -13,7 +13,7 @@ the layer-plan issue asks for, each printed beside its target. A model, not a me
   left to the allocator, so the arrays get less than the twin's), and with none, the arrays of both
   held to the same bytes.
 
-    python benchmarks/layer_plan.py --out benchmarks/results/layer_plan-h200-<date>.json   # ~5 min on 2 cores
+    python benchmarks/layer_plan.py --out benchmarks/results/layer_plan-h200-<date>.json   # ~2 min on 2 cores
     python benchmarks/layer_plan.py --dry-run   # small models at the same shares of their state: checks the script
 """
 
