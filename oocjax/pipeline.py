@@ -249,8 +249,8 @@ class StepPlanner:
         layer, 7 KB over, was two more programs). Returns the plan, how it is cut, and its segments."""
         check_host_peak(timeline.host_peak_bytes, self.host_limit, self.local_copies)
         for replan in (True, False):
-            segments, probes = cut_and_probes(program, schedule, cut)
-            probes = probes if self.profile is None else {}  # a profile's plan: a probe would repeat the estimate
+            # A profile's plan measures nothing: a probe would only repeat the estimate.
+            segments, probes = cut_and_probes(program, schedule, cut, probing=self.profile is None)
             refuse_tokens_between(segments, rewritten.flat.avals)
             if not probes:
                 return choice, program, schedule, timeline, cut, segments

@@ -342,38 +342,23 @@ def cut_segments(program: Program, schedule: Schedule, cut: CutOptions | None = 
     >>> [(s.start, s.stop, s.inputs, s.outputs) for s in cut_segments(p, keep_all(p), budget_bytes=64)]
     [(0, 2, (0,), (2,))]
     """
-    cut = cut or CutOptions(**options)
-    return _cut(_Segmenter(program, schedule), cut, *_bounds(program, schedule, cut)) if program.steps else ()
+    return cut_and_probes(program, schedule, cut or CutOptions(**options), probing=False)[0]
 
 
-def cut_and_probes(program: Program, schedule: Schedule, cut: CutOptions) -> tuple[tuple[Segment, ...], dict]:
-    """``cut_segments``, and the ranges between ``cut``'s bounds that those segments cut into pieces
-    by the estimate and that might fit whole, or keep whole and that might not (``PROBE_SLACK``
-    either way), each as one segment by its ``segment_signature``, one per signature not in
-    ``cut.measured``: to compile and measure, then plan or cut again with what they measured. On
-    the 4-layer decoder of ``examples/decoders.py`` at 30% of its in-core peak, a layer's backward
+def cut_and_probes(
+    program: Program, schedule: Schedule, cut: CutOptions, probing: bool = True
+) -> tuple[tuple[Segment, ...], dict]:
+    """``cut_segments``, and (``probing``) the ranges between ``cut``'s bounds that those segments cut
+    into pieces by the estimate and that might fit whole, or keep whole and that might not
+    (``PROBE_SLACK`` either way), each as one segment by its ``segment_signature``, one per signature
+    not in ``cut.measured``: to compile and measure, then plan or cut again with what they measured.
+    On the 4-layer decoder of ``examples/decoders.py`` at 30% of its in-core peak, a layer's backward
     pass estimated at 7.40 MB measured 6.28 MB (two of the four backward layers were cut into 6
     and 10 pieces by the estimate, each a program to compile); planned by layer, a backward layer
     with its update measured 3% over its estimate of 7.10 MB."""
+    if not program.steps:
+        return (), {}
     cutter, (bounds, hard) = _Segmenter(program, schedule), _bounds(program, schedule, cut)
-    segments = _cut(cutter, cut, bounds, hard) if program.steps else ()
-    if cut.min_segments > 1 or not segments:  # cut for a count: as the estimate says
-        return segments, {}
-    whole, probes = {(s.start, s.stop) for s in segments}, {}
-    original_of, measured = dict((c, o) for o, c in cut.copies), dict(cut.measured)
-    for a, y in pairwise(bounds):
-        if not cutter.fits_as_one(a, y) or _mixes(a, y, original_of):
-            continue
-        held, estimate = cutter.estimate(a, y)
-        low, high = (held + (1 + d) * (estimate - held) for d in (-PROBE_SLACK, PROBE_SLACK))
-        if (low <= cut.budget_bytes < estimate) if (a, y) not in whole else (estimate <= cut.budget_bytes < high):
-            signature = segment_signature(program, a, y)
-            if signature not in measured:
-                probes.setdefault(signature, cutter.segment(a, y, None))
-    return segments, probes
-
-
-def _cut(cutter: _Segmenter, cut: CutOptions, bounds: list[int], hard: frozenset[int]) -> tuple[Segment, ...]:
     original_of, measured, budget_bytes = dict((c, o) for o, c in cut.copies), dict(cut.measured), cut.budget_bytes
 
     def split(a: int, y: int) -> list[tuple[int, int]]:
@@ -393,7 +378,20 @@ def _cut(cutter: _Segmenter, cut: CutOptions, bounds: list[int], hard: frozenset
     if cut.min_segments <= 1:
         ranges = _merge_small(cutter, ranges, budget_bytes, cut.min_segment_flops, hard, original_of)
     starts = [None, *(a for a, _ in ranges)]
-    return tuple(cutter.segment(a, y, previous) for (a, y), previous in zip(ranges, starts))
+    segments = tuple(cutter.segment(a, y, previous) for (a, y), previous in zip(ranges, starts))
+    if cut.min_segments > 1 or not probing:  # cut for a count: as the estimate says
+        return segments, {}
+    whole, probes = {(s.start, s.stop) for s in segments}, {}
+    for a, y in pairwise(bounds):
+        if not cutter.fits_as_one(a, y) or _mixes(a, y, original_of):
+            continue
+        held, estimate = cutter.estimate(a, y)
+        low, high = (held + (1 + d) * (estimate - held) for d in (-PROBE_SLACK, PROBE_SLACK))
+        if (low <= budget_bytes < estimate) if (a, y) not in whole else (estimate <= budget_bytes < high):
+            signature = segment_signature(program, a, y)
+            if signature not in measured:
+                probes.setdefault(signature, cutter.segment(a, y, None))
+    return segments, probes
 
 
 def _bounds(program: Program, schedule: Schedule, cut: CutOptions) -> tuple[list[int], frozenset[int]]:
