@@ -20,9 +20,11 @@ not with depth.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from itertools import accumulate, groupby, pairwise
 
 import numpy as np
 
@@ -72,14 +74,8 @@ def _update_runs(
     anchor = anchors(reads, writes, tail_start, transposed[0], unused=transposed[0] - 1)  # as the grouping
     group = layer_of_updates(anchor, tail_start, n, [(a, y) for a, y, _ in backward])
     kinds = {a: "update " + kind.removeprefix("transpose ") for a, _, kind in backward}
-    found: list[list] = []
-    for k in range(tail_start, n):
-        if group[k] not in kinds:
-            continue
-        if found and found[-1][3] == group[k] and found[-1][1] == k:
-            found[-1][1] = k + 1
-        else:
-            found.append([k, k + 1, kinds[group[k]], group[k]])
+    runs_of = [(g, list(ks)) for g, ks in groupby(range(tail_start, n), key=group.__getitem__)]
+    found = [(ks[0], ks[-1] + 1, kinds[g], g) for g, ks in runs_of if g in kinds]
     if len({g for *_, g in found}) < len(found):  # a layer's update in pieces: not grouped
         return []
     return [(a, y, kind) for a, y, kind, _ in found]
@@ -122,13 +118,8 @@ def equation_phases(flat: FlatProgram) -> list[str]:
 
 def _phase_ranges(phases: Sequence[str]) -> list[tuple[int, int, str]]:
     """Maximal ranges of equations in one phase."""
-    ranges: list[tuple[int, int, str]] = []
-    for k, phase in enumerate(phases):
-        if ranges and ranges[-1][2] == phase:
-            ranges[-1] = (ranges[-1][0], k + 1, phase)
-        else:
-            ranges.append((k, k + 1, phase))
-    return ranges
+    bounds = [0, *accumulate(len(list(run)) for _, run in groupby(phases))]
+    return [(a, y, phases[a]) for a, y in pairwise(bounds)]
 
 
 def _kind(phase: str, kind: str) -> str:
@@ -205,9 +196,9 @@ def _label(layer: tuple[str, ...]) -> str:
 def _structural_runs(
     flat: FlatProgram, start: int, stop: int, phase: str, owners: dict[int, int] | None = None
 ) -> list[tuple[int, int, str]]:
-    """The layers of equations ``start .. stop - 1`` (one pass), found as the longest periodic run
-    of tokens, then searched again on either side of it (a model with two stacks). ``owners``
-    (backward passes): which forward layer each buffer belongs to (``_owners``)."""
+    """The layers of equations ``start .. stop - 1`` (one pass): the longest periodic run of tokens,
+    then the runs on either side of it (two stacks), else a layer like its beside it (``_alike_beside``).
+    ``owners`` (backward passes): which forward layer each buffer belongs to (``_owners``)."""
     if stop - start < MIN_LAYERS * MIN_LAYER_EQUATIONS:
         return []
     tokens = _tokens(flat, start, stop)
@@ -219,11 +210,23 @@ def _structural_runs(
     if count < MIN_LAYERS:
         return []
     runs = [(first + i * period, first + (i + 1) * period, _kind(phase, "layer")) for i in range(count)]
-    return [
-        *_structural_runs(flat, start, first, phase, owners),
-        *runs,
-        *_structural_runs(flat, first + count * period, stop, phase, owners),
-    ]
+    before = _structural_runs(flat, start, first, phase, owners) or _alike_beside(tokens, start, runs[0], start)
+    after = _structural_runs(flat, runs[-1][1], stop, phase, owners) or _alike_beside(tokens, start, runs[-1], stop)
+    return [*before, *runs, *after]
+
+
+def _alike_beside(tokens: np.ndarray, origin: int, layer: tuple[int, int, str], limit: int) -> list:
+    """The run beside ``layer``, towards ``limit``, that is a layer like it but not the same (a global
+    attention layer by local ones): within ``_INSIDE`` of its length, the most alike by the tokens
+    (``tokens[0]`` is equation ``origin``'s) the two share, by Jaccard's index, and at least ``_INSIDE``."""
+    (a, y, kind), after, n = layer, limit >= layer[1], layer[1] - layer[0]
+    template, best, found = Counter(tokens[a - origin : y - origin].tolist()), _INSIDE, []
+    for length in range(math.ceil(_INSIDE * n), min(int(n / _INSIDE), abs(limit - (y if after else a))) + 1):
+        lo, hi = (y, y + length) if after else (a - length, a)
+        common = (Counter(tokens[lo - origin : hi - origin].tolist()) & template).total()
+        if (alike := common / (length + n - common)) > best:
+            best, found = alike, [(lo, hi, kind)]
+    return found
 
 
 def _tokens(flat: FlatProgram, start: int, stop: int) -> np.ndarray:

@@ -24,10 +24,11 @@ from examples.decoders import WAYS, decoder_case
 from oocjax.transforms.flatten import flatten
 from oocjax.transforms.layers import layer_runs
 from oocjax.transforms.reorder import updates_by_layer_of
+from tests.support import more_ways
 
 DEPTH = 4
 # The block index in a parameter's path: Block_3, h/'3', blocks[3].
-_BLOCK = re.compile(r"\['Block_(\d+)'\]|\['h'\]\['(\d+)'\]|\['blocks'\]\[(\d+)\]")
+_BLOCK = re.compile(r"\['Block_(\d+)'\]|\['h'\]\['(\d+)'\]|\['(?:blocks|layers)'\]\[(\d+)\]")
 
 
 def traced(step, *args):
@@ -65,6 +66,20 @@ def test_the_layers_found_are_the_models_blocks_forward_and_backward(way):
     for i, (a, y, _) in enumerate(forward):
         assert blocks_read(flat, paths, forward[0][0], a) <= set(range(i))
         assert blocks_read(flat, paths, y, forward[-1][1]) <= set(range(i + 1, DEPTH))
+
+
+@pytest.mark.parametrize("way", ["local_global", "equinox"])
+def test_a_layer_like_the_others_but_not_the_same_is_found_beside_them(way):
+    # local_global: the fourth layer attends globally, the three before it within a window (its mask
+    # takes fewer operations); equinox: the first layer's backward also holds the embedding's gradient.
+    flat, paths = traced(*more_ways.case(way, DEPTH))
+    runs = layer_runs(flat)
+    forward = [r for r in runs if not r[2].startswith("transpose")]
+    backward = [r for r in runs if r[2].startswith("transpose")]
+
+    assert len({y - a for a, y, _ in forward + backward}) > 2  # not every layer of a pass is alike
+    assert [blocks_read(flat, paths, a, y) for a, y, _ in forward] == [{i} for i in range(DEPTH)]
+    assert [blocks_read(flat, paths, a, y) for a, y, _ in backward] == [{i} for i in reversed(range(DEPTH))]
 
 
 @pytest.mark.parametrize("way", WAYS)
